@@ -1,0 +1,88 @@
+"""The trust regions side by side, as rows a researcher can read or load.
+
+Each row is one method's ratio interval [low, high] with what it means in other
+units: the clip widths 1 - low and high - 1, the interval in log-ratio space,
+and the settings that reproduce it in TRL and verl.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from atrctl.divergence import trust_region
+
+SWEEP_DELTAS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
+
+
+@dataclass(frozen=True)
+class RegionRow:
+    method: str
+    setting: str
+    low: float
+    high: float
+
+    @property
+    def eps_low(self) -> float:
+        return 1.0 - self.low
+
+    @property
+    def eps_high(self) -> float:
+        return self.high - 1.0
+
+    @property
+    def log_low(self) -> float:
+        return math.log(self.low) if self.low > 0 else -math.inf
+
+    @property
+    def log_high(self) -> float:
+        return math.log(self.high)
+
+    @property
+    def trl(self) -> str:
+        return f"epsilon={self.eps_low:.6g}, epsilon_high={self.eps_high:.6g}"
+
+    @property
+    def verl(self) -> str:
+        return f"clip_ratio_low={self.eps_low:.6g}, clip_ratio_high={self.eps_high:.6g}"
+
+
+def region_row(method: str, **params: float) -> RegionRow:
+    low, high = trust_region(method, **params)
+    setting = ", ".join(f"{key}={value:g}" for key, value in params.items())
+    return RegionRow(method, setting, low, high)
+
+
+def method_rows(max_kl3s: Sequence[float], eps: float, eps_high: float) -> list[RegionRow]:
+    """grpo and dapo at the given eps's, then atr, k2 and reverse-kl3 at each delta (same level, to compare)."""
+    rows = [region_row("grpo", eps=eps), region_row("dapo", eps_low=eps, eps_high=eps_high)]
+    for delta in max_kl3s:
+        rows += [
+            region_row("atr", max_kl3=delta),
+            region_row("k2", delta=delta),
+            region_row("reverse-kl3", delta=delta),
+        ]
+    return rows
+
+
+def sweep_rows(deltas: Sequence[float] = SWEEP_DELTAS) -> list[RegionRow]:
+    return [region_row("atr", max_kl3=delta) for delta in deltas]
+
+
+CSV_COLUMNS = ("table", "method", "setting", "low", "high", "eps_low", "eps_high", "log_low", "log_high",
+               "trl", "verl")
+
+
+def to_csv(methods: Sequence[RegionRow], sweep: Sequence[RegionRow]) -> str:
+    """Both tables in one tidy CSV (column `table` = methods | sweep), full float precision."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for table, rows in (("methods", methods), ("sweep", sweep)):
+        for row in rows:
+            writer.writerow([table] + [repr(v) if isinstance(v, float) else v
+                                       for v in (getattr(row, c) for c in CSV_COLUMNS[1:])])
+    return out.getvalue()

@@ -1,0 +1,208 @@
+"""The `atrctl` command line: parse, call the core, print.  No logic lives here.
+
+Heavy libraries (torch, transformers) are imported inside the commands that
+need them, so `atrctl --help` and `atrctl plot-bounds` start quickly.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from atrctl import __version__
+from atrctl.errors import UserError
+
+app = typer.Typer(
+    name="atrctl",
+    help="GRPO and ATR-GRPO experiments on small causal LMs: train, evaluate, compare, plot trust regions.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get whole tables
+stderr = Console(stderr=True)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        console.print(f"atrctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """GRPO and ATR-GRPO experiments on small causal LMs."""
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _positive(value: float, flag: str) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise UserError(f"{flag} must be a finite number > 0 (got {value}); e.g. {flag} 0.1")
+    return value
+
+
+def _unit_open(value: float, flag: str) -> float:
+    if not (math.isfinite(value) and 0 < value < 1):
+        raise UserError(f"{flag} must be in the open interval (0, 1) (got {value}); e.g. {flag} 0.2")
+    return value
+
+
+# -------------------------------------------------------------- plot-bounds
+
+
+class FigureFormat(str, Enum):
+    png = "png"
+    svg = "svg"
+    pdf = "pdf"
+
+
+def _figure_path(out: Path | None, fmt: FigureFormat | None, max_kl3s: list[float]) -> Path:
+    if out is None:
+        tag = "_".join(f"{d:g}" for d in sorted(max_kl3s))
+        return Path("results/bounds") / f"bounds-kl3-{tag}.{(fmt or FigureFormat.png).value}"
+    suffix = out.suffix.lstrip(".").lower()
+    if fmt is None:
+        if suffix not in FigureFormat.__members__:
+            raise UserError(f"--out {out}: unknown figure type '.{suffix}'; end it in .png, .svg or .pdf")
+        return out
+    if suffix != fmt.value:
+        raise UserError(f"--out {out} does not end in .{fmt.value} as --format asks; make them agree")
+    return out
+
+
+def _prepare_directory(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        message = f"--out {path}: cannot create {path.parent} ({error.strerror}); choose a writable path"
+        raise UserError(message) from None
+    if path.is_dir():
+        raise UserError(f"--out {path} is a directory; give a file path such as {path / 'bounds.png'}")
+
+
+@app.command("plot-bounds")
+def plot_bounds(
+    max_kl3: Annotated[
+        list[float], typer.Option("--max-kl3", help="KL3 level δ of ATR-GRPO; repeat to overlay several.")
+    ] = [0.1],  # noqa: B006 - typer reads the default, it is never mutated
+    eps: Annotated[float, typer.Option(help="GRPO clip ε (and DAPO's ε_low), in (0, 1).")] = 0.2,
+    eps_high: Annotated[float, typer.Option(help="DAPO's clip-higher ε_high, > 0.")] = 0.28,
+    out: Annotated[
+        Path | None, typer.Option(help="Figure path [default: results/bounds/bounds-kl3-<δ>.png]; CSV beside it.")
+    ] = None,
+    fmt: Annotated[FigureFormat | None, typer.Option("--format", help="Figure format.")] = None,
+) -> None:
+    """Show the ratio interval each divergence constraint implies: table, CSV and figure."""
+    for delta in max_kl3:
+        _positive(delta, "--max-kl3")
+    _unit_open(eps, "--eps")
+    _positive(eps_high, "--eps-high")
+    figure_path = _figure_path(out, fmt, max_kl3)
+    _prepare_directory(figure_path)
+
+    from atrctl import bounds_table, io
+    from atrctl.bounds_plot import bounds_figure
+
+    methods = bounds_table.method_rows(max_kl3, eps, eps_high)
+    sweep = bounds_table.sweep_rows()
+    console.print(_methods_table(methods))
+    console.print(_sweep_table(sweep))
+
+    csv_path = figure_path.with_suffix(".csv")
+    figure = bounds_figure(max_kl3, eps)
+    try:
+        with io.atomic_path(figure_path) as tmp:
+            figure.savefig(tmp, format=figure_path.suffix.lstrip("."), dpi=130)
+        io.write_text(csv_path, bounds_table.to_csv(methods, sweep))
+    except OSError as error:
+        raise UserError(f"--out {figure_path}: cannot write ({error.strerror}); choose a writable path") from None
+    console.print(f"wrote {figure_path} and {csv_path}")
+
+
+def _methods_table(rows):
+    from rich.table import Table
+
+    table = Table(title=r"Trust regions in ratio space: clip w = π_θ/π_old to \[l, u]")
+    table.caption = "TRL: epsilon / epsilon_high; verl: clip_ratio_low / clip_ratio_high — the same two numbers"
+    for column in ("method", "setting", "l", "u", "1 − l", "u − 1", "ln l", "ln u", "TRL / verl settings"):
+        table.add_column(column, justify="left" if column in ("method", "setting") else "right")
+    for row in rows:
+        table.add_row(row.method, row.setting, f"{row.low:.6f}", f"{row.high:.6f}", f"{row.eps_low:.4f}",
+                      f"{row.eps_high:.4f}", f"{row.log_low:.4f}", f"{row.log_high:.4f}",
+                      f"{row.eps_low:.6g} / {row.eps_high:.6g}")
+    return table
+
+
+def _sweep_table(rows):
+    from rich.table import Table
+
+    table = Table(title="ATR-GRPO: KL3 level δ → ratio bounds and the equivalent clip ε's")
+    for column in ("max_kl3 δ", "l", "u", "eps_low = 1 − l", "eps_high = u − 1", "(u − 1) / (1 − l)"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row.setting.split("=")[1], f"{row.low:.6f}", f"{row.high:.6f}", f"{row.eps_low:.6f}",
+                      f"{row.eps_high:.6f}", f"{row.eps_high / row.eps_low:.3f}")
+    return table
+
+
+# ------------------------------------------------- commands not built yet
+
+_PENDING = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}
+
+
+def _not_built(command: str, issue: int) -> None:
+    raise UserError(f"`atrctl {command}` is not built yet (tracked in issue {issue}); try `atrctl plot-bounds`")
+
+
+@app.command(**_PENDING)
+def train() -> None:
+    """Train a policy with GRPO, ATR-GRPO or another registered loss."""
+    _not_built("train", 5)
+
+
+@app.command("eval", **_PENDING)
+def evaluate() -> None:
+    """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy."""
+    _not_built("eval", 6)
+
+
+@app.command(**_PENDING)
+def compare() -> None:
+    """Train and evaluate several algorithms side by side (e.g. `atrctl compare grpo atr`)."""
+    _not_built("compare", 6)
+
+
+# --------------------------------------------------------------------- entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; bad input becomes one line on stderr and exit code 2, never a traceback."""
+    try:
+        code = app(args=argv, prog_name="atrctl", standalone_mode=False)
+    except UserError as error:
+        stderr.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except typer.TyperException as error:  # typer's own parse errors (it vendors click)
+        stderr.print(f"error: {error.format_message()} (see `atrctl --help`)", markup=False, highlight=False,
+                     soft_wrap=True)
+        return error.exit_code
+    except typer.Abort:
+        stderr.print("aborted", markup=False)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

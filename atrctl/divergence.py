@@ -1,0 +1,218 @@
+"""Policy divergences as trust regions in ratio space.
+
+Every convex divergence D(w) with D(1) = 0, written as a function of the token
+probability ratio w = pi_theta / pi_old, turns the constraint D(w) <= delta into
+an interval [low, high] around 1.  Clipping w to that interval is all a PPO-style
+loss needs, so a new divergence costs one function here and nothing at train time.
+
+Pure functions only: no I/O, no configuration objects.  The measures accept
+floats, numpy arrays and torch tensors alike (torch is never imported here, so
+`atrctl plot-bounds` starts quickly).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+from scipy.optimize import brentq
+from scipy.special import lambertw
+
+# ---------------------------------------------------------------- measures of w
+
+
+def _log(w):
+    """Natural log for floats, numpy arrays and torch tensors (tensors have .log())."""
+    return w.log() if hasattr(w, "log") else np.log(w)
+
+
+def ratio_deviation(w):
+    """|w - 1|: the quantity PPO/GRPO ratio clipping bounds."""
+    return abs(w - 1)
+
+
+def k1(w):
+    """-ln w: the naive KL estimator; unbiased but signed, so it bounds only one side."""
+    return -_log(w)
+
+
+def k2(w):
+    """1/2 ln^2 w: the squared log-ratio, symmetric in log space."""
+    return 0.5 * _log(w) ** 2
+
+
+def k3(w):
+    """w - 1 - ln w: Schulman's k3; its mean under pi_old is KL(pi_old || pi_theta), and it is >= 0."""
+    return w - 1 - _log(w)
+
+
+def reverse_k3(w):
+    """w ln w - w + 1: the k3-style estimator of the reverse direction, KL(pi_theta || pi_old)."""
+    return w * _log(w) - w + 1
+
+
+MEASURES: dict[str, Callable] = {
+    "ratio": ratio_deviation,
+    "k1": k1,
+    "k2": k2,
+    "k3": k3,
+    "reverse-k3": reverse_k3,
+}
+
+
+# ------------------------------------------------------------------- the bounds
+
+
+def _check_level(delta: float, name: str = "delta") -> float:
+    delta = float(delta)
+    if not (math.isfinite(delta) and delta > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {delta}")
+    return delta
+
+
+def kl3_bounds(delta: float) -> tuple[float, float]:
+    """The interval {w : w - 1 - ln w <= delta} in closed form.
+
+    low = -W0(-e^(-1-delta)), high = -W_{-1}(-e^(-1-delta)).  Near delta = 0 the
+    argument sits on Lambert W's branch point -1/e, where W loses about half its
+    digits, so each root is polished with Newton steps on x = ln w (well
+    conditioned on both sides) until w - 1 - ln w = delta to rounding.
+    """
+    delta = _check_level(delta, "max_kl3")
+    z = -math.exp(-1.0 - delta)
+    low = -lambertw(z, 0).real
+    high = -lambertw(z, -1).real
+    return _polish_k3_root(low, delta), _polish_k3_root(high, delta)
+
+
+def _polish_k3_root(w: float, delta: float) -> float:
+    """Newton on g(x) = e^x - 1 - x - delta with x = ln w; stops once the step is negligible."""
+    x = math.log(w)
+    for _ in range(50):
+        slope = math.expm1(x)
+        if slope == 0.0:
+            break
+        step = (math.expm1(x) - x - delta) / slope
+        x -= step
+        if abs(step) <= 1e-16 * max(1.0, abs(x)):
+            break
+    return math.exp(x)
+
+
+def k2_bounds(delta: float) -> tuple[float, float]:
+    """{w : 1/2 ln^2 w <= delta} = [e^-sqrt(2 delta), e^sqrt(2 delta)]: symmetric in log space."""
+    radius = math.sqrt(2.0 * _check_level(delta))
+    return math.exp(-radius), math.exp(radius)
+
+
+_LOG_W_LIMIT = 700.0  # e^700 ~ 1e304: the widest ratio we search before calling a side unbounded
+
+
+def bounds_for(divergence: Callable | str, delta: float) -> tuple[float, float]:
+    """The interval {w : D(w) <= delta} for any convex D with D(1) = 0, by bracketing root finding.
+
+    The search runs in x = ln w so that ratios from 1e-304 to 1e304 are reachable.
+    A side on which D never reaches delta is unbounded: low = 0 or high = inf
+    (reverse k3 tends to 1 as w -> 0, so for delta >= 1 it does not bound w from below).
+    """
+    measure = MEASURES[divergence] if isinstance(divergence, str) else divergence
+    delta = _check_level(delta)
+
+    def excess(x: float) -> float:
+        return float(measure(math.exp(x))) - delta
+
+    def root(direction: float) -> float:
+        reach = 1.0
+        while excess(direction * reach) < 0:
+            reach *= 2.0
+            if reach > _LOG_W_LIMIT:
+                return 0.0 if direction < 0 else math.inf
+        lo, hi = sorted((0.0, direction * reach))
+        x = brentq(excess, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=500)
+        return math.exp(x)
+
+    return root(-1.0), root(+1.0)
+
+
+# ------------------------------------------------------ named trust regions
+
+
+def _check_eps(eps: float, name: str) -> float:
+    eps = float(eps)
+    if not (math.isfinite(eps) and 0 < eps < 1):
+        raise ValueError(f"{name} must be in (0, 1), got {eps}")
+    return eps
+
+
+def _check_eps_high(eps: float, name: str) -> float:
+    eps = float(eps)
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {eps}")
+    return eps
+
+
+def _grpo(eps: float = 0.2) -> tuple[float, float]:
+    eps = _check_eps(eps, "eps")
+    return 1.0 - eps, 1.0 + eps
+
+
+def _dapo(eps_low: float = 0.2, eps_high: float = 0.28) -> tuple[float, float]:
+    return 1.0 - _check_eps(eps_low, "eps_low"), 1.0 + _check_eps_high(eps_high, "eps_high")
+
+
+def _atr(max_kl3: float = 0.1) -> tuple[float, float]:
+    return kl3_bounds(max_kl3)
+
+
+def _k2(delta: float = 0.1) -> tuple[float, float]:
+    return k2_bounds(delta)
+
+
+def _reverse_kl3(delta: float = 0.1) -> tuple[float, float]:
+    return bounds_for(reverse_k3, delta)
+
+
+def _divergence(measure: str = "k3", delta: float = 0.1) -> tuple[float, float]:
+    if measure not in MEASURES:
+        raise ValueError(f"unknown measure {measure!r}; choose one of {', '.join(MEASURES)}")
+    return bounds_for(MEASURES[measure], delta)
+
+
+TRUST_REGIONS: dict[str, Callable[..., tuple[float, float]]] = {
+    "grpo": _grpo,
+    "dapo": _dapo,
+    "atr": _atr,
+    "k2": _k2,
+    "reverse-kl3": _reverse_kl3,
+    "divergence": _divergence,
+}
+
+
+def trust_region(name: str, **params) -> tuple[float, float]:
+    """The constant ratio interval [low, high] of a named method, e.g. trust_region("atr", max_kl3=0.1)."""
+    if name not in TRUST_REGIONS:
+        raise ValueError(f"unknown trust region {name!r}; choose one of {', '.join(TRUST_REGIONS)}")
+    try:
+        return TRUST_REGIONS[name](**params)
+    except TypeError as error:  # a misspelt parameter name
+        raise ValueError(f"trust region {name!r}: {error}") from None
+
+
+# ---------------------------------------------- translation to other trainers
+
+
+def equivalent_clip(max_kl3: float) -> tuple[float, float]:
+    """(eps_low, eps_high) with [1 - eps_low, 1 + eps_high] = the KL3 region.
+
+    Set these as TRL's `epsilon` / `epsilon_high` or verl's `clip_ratio_low` /
+    `clip_ratio_high` to train ATR-GRPO in those frameworks unchanged.
+    """
+    low, high = kl3_bounds(max_kl3)
+    return 1.0 - low, high - 1.0
+
+
+def kl3_for_eps_high(eps_high: float) -> float:
+    """The max_kl3 whose upper bound is 1 + eps_high: delta = eps_high - ln(1 + eps_high)."""
+    eps_high = _check_eps_high(eps_high, "eps_high")
+    return eps_high - math.log1p(eps_high)
