@@ -21,8 +21,13 @@ def test_writes_figure_and_csv(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     rows = read_csv(tmp_path / "fig.csv")
     methods = [(r["method"], r["setting"]) for r in rows if r["table"] == "methods"]
-    assert methods == [("grpo", "eps=0.2"), ("dapo", "eps_low=0.2, eps_high=0.28"), ("atr", "max_kl3=0.1"),
-                       ("k2", "delta=0.1"), ("reverse-kl3", "delta=0.1")]
+    assert methods == [
+        ("grpo", "eps=0.2"),
+        ("dapo", "eps_low=0.2, eps_high=0.28"),
+        ("atr", "max_kl3=0.1"),
+        ("k2", "delta=0.1"),
+        ("reverse-kl3", "delta=0.1"),
+    ]
     atr = next(r for r in rows if r["method"] == "atr")
     assert (round(float(atr["low"]), 6), round(float(atr["high"]), 6)) == (0.616817, 1.516221)
     sweep = [float(r["setting"].split("=")[1]) for r in rows if r["table"] == "sweep"]
@@ -39,7 +44,9 @@ def test_default_path_and_several_levels(tmp_path, monkeypatch):
     assert figure.read_text().lstrip().startswith("<?xml")
     rows = read_csv(figure.with_suffix(".csv"))
     assert [r["setting"] for r in rows if r["table"] == "methods" and r["method"] == "atr"] == [
-        "max_kl3=0.1", "max_kl3=0.05"]
+        "max_kl3=0.1",
+        "max_kl3=0.05",
+    ]
 
 
 @pytest.mark.parametrize(

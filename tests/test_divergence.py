@@ -31,8 +31,12 @@ def test_closed_forms_agree_with_the_generic_solver(delta):
 
 
 def test_reference_values():
-    expected = {0.01: (0.865165, 1.148165), 0.05: (0.716189, 1.350403), 0.1: (0.616817, 1.516221),
-                0.2: (0.493239, 1.772250)}
+    expected = {
+        0.01: (0.865165, 1.148165),
+        0.05: (0.716189, 1.350403),
+        0.1: (0.616817, 1.516221),
+        0.2: (0.493239, 1.772250),
+    }
     for delta, (low, high) in expected.items():
         got = dv.kl3_bounds(delta)
         assert round(got[0], 6) == low and round(got[1], 6) == high

@@ -1,0 +1,48 @@
+"""The interface every task shares: problems with a split and a seed, and a verifiable reward."""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from atrctl.errors import UserError
+
+SPLITS = ("train", "test")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer and a correct completion to warm up on."""
+
+    id: str
+    prompt: str
+    answer: str
+    solution: str
+
+
+@dataclass(frozen=True)
+class Score:
+    """Reward in [0, 1] and the normalized parsed answer (None if unparseable), used for maj@k."""
+
+    reward: float
+    parsed: str | None
+
+
+class Task(Protocol):
+    name: str
+
+    def problems(self, split: str, n: int | None, seed: int) -> list[Problem]: ...
+
+    def score(self, problem: Problem, completion: str) -> Score: ...
+
+
+def check_request(split: str, n: int | None) -> None:
+    """Reject a bad split or count before any work, with the fix in the message."""
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r}; use 'train' or 'test'")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise UserError(f"n={n!r} is invalid; use a non-negative integer, or None for all problems")
+
+
+def require_int(task: str, name: str, value: object, lo: int, hi: int) -> None:
+    """Task parameters come from TOML or the command line, so check type and range once, up front."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise UserError(f"{task} parameter {name}={value!r} is invalid; use an integer from {lo} to {hi}")

@@ -1,0 +1,109 @@
+"""Countdown: combine the given numbers with + - * / to reach the target, "3,5,7>22:" -> "3*5+7".
+
+Each problem is made by drawing numbers and a random expression tree over all of them, so it has at
+least one solution (kept as `solution`). Every step of that tree stays a positive integer, as in the game;
+the verifier is more lenient and accepts any expression with exact rational steps that uses each given
+number at most once. The prompt lists the numbers sorted, so one multiset and target is one problem, and
+its split is a stable hash of the prompt.
+"""
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from atrctl.errors import UserError
+from atrctl.tasks.base import Problem, Score, check_request, require_int
+from atrctl.tasks.expr import ExprError, evaluate
+from atrctl.tasks.split import split_of
+
+ATTEMPTS_PER_PROBLEM = 1000
+_LEAF = 3  # precedence of a bare number; '+'/'-' are 1, '*'/'/' are 2
+
+Node = tuple[str, int, int]  # (text, value, precedence)
+
+
+@dataclass(frozen=True)
+class CountdownTask:
+    """count: numbers per problem (2-6); max_number: numbers are drawn from 1..max_number;
+    max_target: targets lie in 1..max_target."""
+
+    count: int = 3
+    max_number: int = 20
+    max_target: int = 100
+    name = "countdown"
+
+    def __post_init__(self):
+        require_int("countdown", "count", self.count, 2, 6)
+        require_int("countdown", "max_number", self.max_number, 1, 1000)
+        require_int("countdown", "max_target", self.max_target, 1, 1_000_000)
+
+    def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
+        check_request(split, n)
+        if n is None:
+            raise UserError("countdown generates its problems; pass n (how many)")
+        rng = random.Random(seed)
+        found: dict[str, Problem] = {}
+        for _ in range(ATTEMPTS_PER_PROBLEM * (n + 1)):
+            if len(found) == n:
+                break
+            numbers = [rng.randint(1, self.max_number) for _ in range(self.count)]
+            node = _random_tree(numbers, rng)
+            if node is None or node[1] > self.max_target or node[1] in numbers:
+                continue
+            prompt = f"{','.join(map(str, sorted(numbers)))}>{node[1]}:"
+            if prompt not in found and split_of(prompt) == split:
+                found[prompt] = Problem(
+                    id=f"countdown-{prompt[:-1]}", prompt=prompt, answer=str(node[1]), solution=node[0]
+                )
+        if len(found) < n:
+            raise UserError(
+                f"found only {len(found)} distinct countdown {split} problems with count={self.count}, "
+                f"max_number={self.max_number}, max_target={self.max_target}; lower n or raise the limits"
+            )
+        return list(found.values())
+
+    def score(self, problem: Problem, completion: str) -> Score:
+        numbers, target = parse_prompt(problem.prompt)
+        try:
+            value, used = evaluate(completion.partition("\n")[0])
+        except ExprError:
+            return Score(0.0, None)
+        if Counter(used) - Counter(numbers):
+            return Score(0.0, None)
+        return Score(float(value == target), str(value))
+
+
+def parse_prompt(prompt: str) -> tuple[list[int], int]:
+    """The numbers and target of a prompt made by CountdownTask, "3,5,7>22:" -> ([3, 5, 7], 22)."""
+    numbers, target = prompt.rstrip(":").split(">")
+    return [int(x) for x in numbers.split(",")], int(target)
+
+
+def _random_tree(numbers: list[int], rng: random.Random) -> Node | None:
+    """A random expression over all numbers in order; None if a step leaves the positive integers."""
+    if len(numbers) == 1:
+        return str(numbers[0]), numbers[0], _LEAF
+    k = rng.randint(1, len(numbers) - 1)
+    left, right = _random_tree(numbers[:k], rng), _random_tree(numbers[k:], rng)
+    if left is None or right is None:
+        return None
+    return _combine(left, rng.choice("+-*/"), right)
+
+
+def _combine(left: Node, op: str, right: Node) -> Node | None:
+    """Apply op, with only the parentheses the precedence rules need."""
+    (ltext, lval, lprec), (rtext, rval, rprec) = left, right
+    if op == "/":
+        if lval % rval:
+            return None
+        value = lval // rval
+    else:
+        value = {"+": lval + rval, "-": lval - rval, "*": lval * rval}[op]
+    if value <= 0:
+        return None
+    prec = 1 if op in "+-" else 2
+    if lprec < prec:
+        ltext = f"({ltext})"
+    if rprec < prec or (rprec == prec and op in "-/"):
+        rtext = f"({rtext})"
+    return f"{ltext}{op}{rtext}", value, prec
