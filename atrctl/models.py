@@ -1,0 +1,181 @@
+"""Tokenizers and causal LMs: tiny presets built locally, or any Hugging Face model.
+
+A preset is an ordinary transformers model plus a character tokenizer, so it saves and loads as a
+normal model directory and takes the same path through training and evaluation as a real model.
+transformers is imported inside the functions: importing this module must stay cheap for the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from atrctl.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+CHAR_ALPHABET = string.digits + "+-*/()=<>.,:;?! " + string.ascii_lowercase + "\n"
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+
+# name -> (hidden size, layers, attention heads); the MLP is 4x hidden.
+PRESETS = {"tiny": (64, 2, 2), "small": (128, 2, 4), "medium": (256, 4, 4)}
+ARCHS = ("llama", "qwen2")
+MAX_POSITIONS = 512
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character of CHAR_ALPHABET; ids 0-3 are <pad> <bos> <eos> <unk>, then the alphabet.
+
+    No BOS is added on encode: a prompt's tokens are exactly its characters, so token and character
+    boundaries coincide and decode(encode(s)) == s. Characters outside the alphabet become <unk>.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS.values(), *CHAR_ALPHABET])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, clean_up_tokenization_spaces=False, padding_side="left", **SPECIAL_TOKENS
+    )
+
+
+def build_model(preset: str, tokenizer: PreTrainedTokenizerBase, arch: str = "llama", seed: int = 0) -> PreTrainedModel:
+    """A freshly initialised causal LM of a preset size; the same seed gives the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    if preset not in PRESETS:
+        raise UserError(f"unknown model preset '{preset}': use one of {', '.join(PRESETS)}")
+    if arch not in ARCHS:
+        raise UserError(f"unknown architecture '{arch}': use one of {', '.join(ARCHS)}")
+    hidden, layers, heads = PRESETS[preset]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def load_model(
+    name_or_path: str, device: str = "auto", dtype: str = "auto", *, arch: str = "llama", seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A model and tokenizer in eval mode on `device`: a model directory, a hub name, or a preset name
+    (fresh weights of `arch` from `seed`, with the character tokenizer).
+
+    The tokenizer always has a pad token (its EOS when it has none) and pads on the left, the side
+    generation needs; atrctl's sampler pads prompts itself, so this only matters to other callers.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if name_or_path in PRESETS:
+        tokenizer = build_char_tokenizer()
+        model = build_model(name_or_path, tokenizer, arch=arch, seed=seed)
+    else:
+        source = _local_or_hub(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        except (OSError, ValueError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(
+                f"model '{name_or_path}' could not be loaded ({reason}): give a preset "
+                f"({', '.join(PRESETS)}), a local model directory or a hub name"
+            ) from None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UserError(f"tokenizer of '{name_or_path}' has neither a pad nor an EOS token: add one to it")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model.to(device=torch_device, dtype=torch_dtype).eval(), tokenizer
+
+
+def _local_or_hub(name: str) -> str:
+    """An existing directory, or a hub name; a path-like name that does not exist fails here, without
+    asking the hub about it."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path)
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise UserError(
+            f"model '{name}' not found: give a preset ({', '.join(PRESETS)}), a local model directory or a hub name"
+        )
+    return name
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present; asking for CUDA without it is a user error, not a silent CPU run."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu" or name.startswith("cuda"):
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"device '{name}' requested but CUDA is not available: use --device cpu or auto")
+        return torch.device(name)
+    raise UserError(f"unknown device '{name}': use auto, cpu or cuda")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on a CUDA device that supports it, float32 otherwise (CPU bf16 is slow here)."""
+    import torch
+
+    if name == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise UserError(f"unknown dtype '{name}': use auto, float32 or bfloat16")
+    return dtypes[name]
+
+
+def format_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> str:
+    """The prompt as the model should see it: wrapped as a user turn when a chat template is asked for."""
+    if not chat_template:
+        return text
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("chat template requested but the tokenizer has none: turn chat_template off")
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters: tied input and output embeddings count once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def set_cpu_threads(threads: int | None = None) -> int:
+    """Use every CPU this process may run on (torch defaults to physical cores); ATRCTL_THREADS overrides."""
+    import torch
+
+    env = os.environ.get("ATRCTL_THREADS")
+    if threads is None and env:
+        if not (env.isdigit() and int(env) > 0):
+            raise UserError(f"ATRCTL_THREADS='{env}' is not a positive integer: set it to e.g. 2 or unset it")
+        threads = int(env)
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return torch.get_num_threads()

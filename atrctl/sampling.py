@@ -1,0 +1,145 @@
+"""Batched autoregressive sampling with a KV cache: the rollout engine for GRPO.
+
+Conventions the trainer relies on:
+- Prompts are left-padded; position ids count real tokens only (cumsum of the mask - 1), so a padded
+  row gives the same logits as the prompt alone.
+- A completion includes its EOS (masked in); everything after it is `pad_id` and masked out.
+- `logprobs` are log_softmax(logits.float() / temperature) at the sampled token (temperature 1 when
+  greedy): the same numbers `completion_logprobs` computes in a full forward pass, so the ratio w of
+  the first update on a fresh rollout is exactly 1 (up to float noise). top_p truncation is not part
+  of them, as in TRL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from atrctl.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class Rollout:
+    """A batch of prompts with one sampled completion each; all tensors on the model's device."""
+
+    prompt_ids: torch.Tensor  # [B, P] long, left-padded
+    prompt_mask: torch.Tensor  # [B, P] long, 1 for real prompt tokens
+    completion_ids: torch.Tensor  # [B, T] long, pad_id after EOS
+    completion_mask: torch.Tensor  # [B, T] long, 1 up to and including EOS
+    logprobs: torch.Tensor  # [B, T] float32, 0 where completion_mask is 0
+
+
+def left_pad(
+    sequences: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of shape [B, longest], real tokens flush right."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise UserError("every prompt needs at least one token: check the task's prompts and tokenizer")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip padding, so left padding does not shift the rotary phases."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _next_token(
+    logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, its logprob) per row from last-position logits [B, V]."""
+    if greedy:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits.float(), -1).gather(-1, token[:, None])[:, 0]
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the top token always stays
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+def sample(
+    model: PreTrainedModel,
+    prompt_ids: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    eos_id: int,
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample one completion per prompt, stopping once every row has emitted EOS.
+
+    Same `generator` state, same tokens. The generator must live on the model's device.
+    """
+    from transformers import DynamicCache
+
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1: raise it")
+    if not greedy and temperature <= 0:
+        raise UserError(f"temperature={temperature} must be > 0: raise it, or sample greedily")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"top_p={top_p} must be in (0, 1]: use 1.0 to turn it off")
+
+    device = model.device
+    prompt, prompt_mask = left_pad(prompt_ids, pad_id, device)
+    tokens, logprobs = [], []
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
+    ids, mask, positions = prompt, prompt_mask, position_ids(prompt_mask)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
+            token, logp = _next_token(out.logits[:, -1], temperature, top_p, greedy, generator)
+            tokens.append(torch.where(done, pad_id, token))
+            logprobs.append(logp.masked_fill(done, 0.0))
+            done = done | (token == eos_id)
+            if bool(done.all()):
+                break
+            ids = tokens[-1][:, None]
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
+            positions = positions[:, -1:] + 1
+
+    completion_ids = torch.stack(tokens, dim=1)
+    is_eos = (completion_ids == eos_id).long()
+    completion_mask = (is_eos.cumsum(-1) - is_eos == 0).long()  # up to and including the first EOS
+    logprobs = torch.stack(logprobs, dim=1)
+    return Rollout(prompt, prompt_mask, completion_ids, completion_mask, logprobs)
+
+
+def completion_logprobs(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits.float() / temperature) at each completion token, from one full forward pass.
+
+    This is the training-side twin of `sample`'s logprobs (same padding, positions and numerics);
+    it keeps the graph, so call it under torch.no_grad() when no gradient is wanted. [B, T] float32,
+    0 where the completion is masked.
+    """
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
+    width = rollout.completion_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    logits = logits[:, -width - 1 : -1].float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, rollout.completion_ids[..., None])[..., 0]
+    return logp * rollout.completion_mask
+
+
+def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
+    """Each completion's text, up to (not including) its EOS, without special tokens."""
+    lengths = rollout.completion_mask.sum(-1).tolist()
+    rows = rollout.completion_ids.tolist()
+    return [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths, strict=True)]

@@ -1,0 +1,167 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from atrctl.errors import UserError
+from atrctl.models import (
+    CHAR_ALPHABET,
+    build_char_tokenizer,
+    build_model,
+    count_parameters,
+    format_prompt,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    set_cpu_threads,
+)
+
+TEXT = "what is 12 + (3 * 4)?\nanswer: 24. yes, 1/2 < 3; 5 > 4!"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("tiny")
+    model = build_model("tiny", tokenizer, seed=3)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model
+
+
+def test_tokenizer_round_trips_every_character(tokenizer):
+    for text in (CHAR_ALPHABET, TEXT, "  two  spaces ", "\n\n"):
+        ids = tokenizer(text)["input_ids"]
+        assert len(ids) == len(text)  # one token per character, no BOS added
+        assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_ids_are_stable(tokenizer):
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer.unk_token_id == 3
+    assert tokenizer("0")["input_ids"] == [4]
+    assert len(tokenizer) == 4 + len(CHAR_ALPHABET)
+    assert tokenizer("A~")["input_ids"] == [3, 3]
+
+
+def test_tokenizer_skips_specials_on_decode(tokenizer):
+    ids = tokenizer("12")["input_ids"] + [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "12"
+
+
+def test_tokenizer_save_and_reload(tokenizer, saved_tiny):
+    path, _ = saved_tiny
+    reloaded = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(TEXT)["input_ids"]
+    assert reloaded(TEXT)["input_ids"] == ids
+    assert reloaded.decode(ids) == TEXT
+    assert reloaded.get_vocab() == tokenizer.get_vocab()
+    assert reloaded.pad_token_id == 0 and reloaded.eos_token_id == 2 and reloaded.padding_side == "left"
+
+
+def test_saved_model_reloads_with_identical_logits(tokenizer, saved_tiny):
+    path, model = saved_tiny
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    auto = AutoModelForCausalLM.from_pretrained(path)
+    loaded, loaded_tokenizer = load_model(str(path), device="cpu", dtype="float32")
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert torch.equal(auto(ids).logits, expected)
+        assert torch.equal(loaded(ids).logits, expected)
+    assert not loaded.training and loaded_tokenizer.pad_token_id == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(("preset", "millions"), [("tiny", 0.14), ("small", 0.53), ("medium", 4.2)])
+def test_preset_sizes(tokenizer, preset, millions, arch):
+    model = build_model(preset, tokenizer, arch=arch)
+    assert count_parameters(model) == pytest.approx(millions * 1e6, rel=0.05)
+    assert model.config.vocab_size == len(tokenizer)
+
+
+def test_build_model_is_deterministic_and_leaves_global_rng_alone(tokenizer):
+    torch.manual_seed(123)
+    expected_draw = torch.rand(1)
+    torch.manual_seed(123)
+    first = build_model("tiny", tokenizer, seed=1).state_dict()
+    assert torch.equal(torch.rand(1), expected_draw)
+    second = build_model("tiny", tokenizer, seed=1).state_dict()
+    other = build_model("tiny", tokenizer, seed=2).state_dict()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+def test_unknown_preset_or_arch_lists_the_valid_ones(tokenizer):
+    with pytest.raises(UserError, match="tiny, small, medium"):
+        build_model("huge", tokenizer)
+    with pytest.raises(UserError, match="llama, qwen2"):
+        build_model("tiny", tokenizer, arch="gpt2")
+
+
+def test_load_model_from_a_preset_name():
+    model, tokenizer = load_model("tiny", device="cpu", arch="qwen2", seed=5)
+    assert model.config.model_type == "qwen2" and not model.training
+    assert tokenizer.pad_token_id == 0
+
+
+def test_load_model_missing_path_is_a_one_line_user_error(tmp_path):
+    with pytest.raises(UserError, match="not found") as err:
+        load_model(str(tmp_path / "nowhere"), device="cpu")
+    assert "\n" not in str(err.value) and "preset" in str(err.value)
+
+
+def test_load_model_directory_without_a_model_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="could not be loaded") as err:
+        load_model(str(tmp_path), device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_load_model_gives_the_tokenizer_a_pad_token(tmp_path, tokenizer, saved_tiny):
+    path, _ = saved_tiny
+    no_pad = AutoTokenizer.from_pretrained(path)
+    no_pad.pad_token = None
+    no_pad.save_pretrained(tmp_path)
+    build_model("tiny", tokenizer).save_pretrained(tmp_path)
+    _, loaded = load_model(str(tmp_path), device="cpu")
+    assert loaded.pad_token == loaded.eos_token == "<eos>"
+
+
+def test_resolve_device_and_dtype():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(UserError, match="auto, cpu or cuda"):
+        resolve_device("tpu")
+    with pytest.raises(UserError, match="float32"):
+        resolve_dtype("int8", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_format_prompt(tokenizer):
+    assert format_prompt(tokenizer, "1+1=", chat_template=False) == "1+1="
+    with pytest.raises(UserError, match="no"):
+        format_prompt(tokenizer, "1+1=", chat_template=True)
+    chat = build_char_tokenizer()
+    chat.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    assert format_prompt(chat, "1+1=", chat_template=True) == "user: 1+1=\nassistant: "
+
+
+def test_set_cpu_threads(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("ATRCTL_THREADS", "1")
+        assert set_cpu_threads() == 1
+        assert set_cpu_threads(2) == 2
+        monkeypatch.setenv("ATRCTL_THREADS", "many")
+        with pytest.raises(UserError, match="ATRCTL_THREADS"):
+            set_cpu_threads()
+    finally:
+        torch.set_num_threads(before)
