@@ -1,0 +1,368 @@
+"""Policy losses: the PPO clipped surrogate over any trust region, plus its baselines.
+
+Every ratio-clip method here is one surrogate with a per-token interval [l_t, u_t]
+(DESIGN.md §1):
+
+    L_t = -min(w_t·A, clip(w_t, l_t, u_t)·A),    w_t = exp(logp_t - old_logp_t)
+
+and differs only in where l and u come from: a constant interval from
+`atrctl.divergence` (grpo, dapo, atr, k2, reverse-kl3, any divergence) or a per-token
+band from `atrctl.bands`.  GSPO and CISPO are the comparison baselines.
+
+    from atrctl.losses import policy_loss
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, algo="atr", max_kl3=0.1)
+
+Pure functions of tensors; `metrics` is a dict of plain floats with the names of
+DESIGN.md §2, computed without gradient over the masked tokens only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from atrctl.bands import kl_band_bounds, tv_band_bounds
+from atrctl.divergence import TRUST_REGIONS, trust_region
+
+# |logp - old_logp| is clamped to this before exp, so w stays within [e^-20, e^20] ~ [2e-9, 5e8]
+# and cannot overflow float32.  A token beyond it is far outside every trust region; it keeps
+# its (clipped) loss value but gets no gradient through w.
+LOG_RATIO_LIMIT = 20.0
+
+Bound = float | Tensor
+
+
+class LossOutput(NamedTuple):
+    """What `policy_loss` returns; unpacks as (loss, metrics)."""
+
+    loss: Tensor
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The per-token inputs a policy loss sees: float32 [B, T], already neutral at padding.
+
+    Padded positions hold logp = old_logp = 0 (so w = 1) and A = 0, whatever the caller
+    put there, so neither their values nor their gradients can leak into the loss.
+    """
+
+    logp: Tensor
+    old_logp: Tensor
+    log_ratio: Tensor  # clamp(logp - old_logp, ±LOG_RATIO_LIMIT)
+    ratio: Tensor  # exp(log_ratio)
+    advantages: Tensor
+    mask: Tensor  # bool
+
+
+# ---------------------------------------------------------------- the surrogate
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, low: Bound, high: Bound, dual_clip: float | None = None):
+    """Per-token PPO loss -min(w·A, clip(w, l, u)·A) (Schulman et al., 2017) for float or tensor bounds.
+
+    The min lets the clip bind only in the direction A pushes: for A > 0 a token with
+    w > u has zero gradient, for A < 0 one with w < l; every other token gets -A·w·∇logp.
+    With `dual_clip` c (Ye et al., 2020, dual-clip PPO) the loss of an A < 0 token is
+    also capped at c·|A|, so one very unlikely-now token cannot dominate the batch.
+    """
+    if isinstance(low, Tensor) or isinstance(high, Tensor):
+        low, high = (torch.as_tensor(b, dtype=ratio.dtype, device=ratio.device) for b in (low, high))
+    loss = torch.maximum(-ratio * advantages, -ratio.clamp(low, high) * advantages)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
+    return loss
+
+
+def clip_fractions(
+    ratio: Tensor, advantages: Tensor, low: Bound, high: Bound, mask: Tensor, dual_clip: float | None = None
+) -> dict[str, Tensor]:
+    """Fractions of masked entries whose gradient the clip removes (high: w > u, A > 0; low: w < l, A < 0)
+    or that lie outside [l, u] at all (region), and with dual-clip the A < 0 entries capped (w > c)."""
+    count = mask.sum().clamp(min=1)
+    above, below = ratio > high, ratio < low
+    positive, negative = advantages > 0, advantages < 0
+    fractions = {
+        "clip/low": (below & negative & mask).sum() / count,
+        "clip/high": (above & positive & mask).sum() / count,
+        "clip/region": ((above | below) & mask).sum() / count,
+    }
+    if dual_clip is not None:
+        fractions["clip/dual"] = ((ratio > dual_clip) & negative & mask).sum() / count
+    return fractions
+
+
+def _ratio_clip(tokens: Tokens, low: Bound, high: Bound, dual_clip: float | None):
+    adv = tokens.advantages
+    return (
+        clipped_surrogate(tokens.ratio, adv, low, high, dual_clip),
+        clip_fractions(tokens.ratio, adv, low, high, tokens.mask, dual_clip),
+    )
+
+
+# ----------------------------------------------------------------- the losses
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_region(name: str, params: tuple[tuple[str, object], ...]) -> tuple[float, float]:
+    return trust_region(name, **dict(params))
+
+
+def _trust_region_loss(name: str, tokens: Tokens, *, dual_clip: float | None = None, **region):
+    """A constant interval from `atrctl.divergence`, computed once per (name, params) and cached.
+
+    grpo: [1-ε, 1+ε] (PPO clip as used by GRPO, Shao et al., 2024, DeepSeekMath);
+    dapo: [1-ε_low, 1+ε_high] (clip-higher, Yu et al., 2025); atr: {w - 1 - ln w <= max_kl3}
+    (the KL3 trust region); k2, reverse-kl3 and divergence(measure, delta): {D(w) <= δ}.
+    """
+    low, high = _cached_region(name, tuple(sorted(region.items())))
+    return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))
+
+
+def _tv_band(tokens: Tokens, *, delta: float = 0.2, dual_clip: float | None = None):
+    """|p_new - p_old| <= δ per token (DPPO, BandPO); δ = 0.2 matches grpo's l = 0.8 at p_old = 1."""
+    low, high = tv_band_bounds(tokens.old_logp, delta)
+    return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))
+
+
+def _kl_band(tokens: Tokens, *, delta: float = 0.1, dual_clip: float | None = None):
+    """KL(Bern(p_old) || Bern(p_new)) <= δ per token (DPPO, BandPO); at small p_old it tends to KL3 <= δ/p_old."""
+    low, high = kl_band_bounds(tokens.old_logp, delta)
+    return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))
+
+
+def _gspo(tokens: Tokens, *, eps_low: float = 3e-4, eps_high: float = 4e-4, dual_clip: float | None = None):
+    """GSPO (Zheng et al., 2025): clip the sequence ratio s = exp(mean_t(logp - old_logp)).
+
+    Every token of a sequence carries that sequence's loss, so `seq-mean-token-mean`
+    gives GSPO's objective exactly and each token's gradient is -A·s·∇logp_t / |y|.
+    The clip metrics count sequences (with A the sequence's mean advantage); the ratio
+    and kl3 metrics stay per token.  Defaults are the paper's.
+    """
+    low, high = _cached_region("dapo", (("eps_high", eps_high), ("eps_low", eps_low)))
+    dual_clip = _check_dual_clip(dual_clip)
+    lengths = tokens.mask.sum(dim=1)
+    per_seq = lengths.clamp(min=1)
+    seq_ratio = (tokens.log_ratio.sum(dim=1) / per_seq).exp()
+    loss = clipped_surrogate(seq_ratio[:, None], tokens.advantages, low, high, dual_clip)
+    seq_advantages = tokens.advantages.sum(dim=1) / per_seq
+    return loss, clip_fractions(seq_ratio, seq_advantages, low, high, lengths > 0, dual_clip)
+
+
+def _cispo(tokens: Tokens, *, eps_low: float = 1.0, eps_high: float = 0.28):
+    """CISPO (MiniMax-M1, 2025): -sg(clip(w, 1-ε_low, 1+ε_high))·A·logp.
+
+    No token loses its gradient; the clip only caps its weight.  The default ε_low = 1
+    (l = 0) follows the paper, which set no lower bound.
+    """
+    eps_low, eps_high = _check_positive(eps_low, "eps_low"), _check_positive(eps_high, "eps_high")
+    low, high = max(0.0, 1.0 - eps_low), 1.0 + eps_high
+    weight = tokens.ratio.clamp(low, high).detach()
+    return -weight * tokens.advantages * tokens.logp, clip_fractions(
+        tokens.ratio, tokens.advantages, low, high, tokens.mask
+    )
+
+
+# name -> loss(tokens, **params) -> (per-token loss [B, T], clip metrics).  Every constant
+# trust region of atrctl.divergence is a loss of the same name; a new one needs no line here.
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    **{name: functools.partial(_trust_region_loss, name) for name in TRUST_REGIONS},
+    "tv-band": _tv_band,
+    "kl-band": _kl_band,
+    "gspo": _gspo,
+    "cispo": _cispo,
+}
+
+
+def _check_positive(value: float, name: str) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def _check_dual_clip(dual_clip: float | None) -> float | None:
+    if dual_clip is None:
+        return None
+    dual_clip = float(dual_clip)
+    if not (math.isfinite(dual_clip) and dual_clip > 1):
+        raise ValueError(f"dual_clip must be a finite number > 1 (or None for off), got {dual_clip}")
+    return dual_clip
+
+
+# ---------------------------------------------------------------- aggregation
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(values: Tensor, mask: Tensor, agg: str = "token-mean", max_new_tokens: int | None = None) -> Tensor:
+    """Reduce per-token values [B, T] to a scalar over the masked tokens.
+
+    token-mean: sum / number of tokens (DAPO), so every token weighs the same;
+    seq-mean-token-mean: mean over sequences of each sequence's token mean (GRPO);
+    seq-mean-token-sum-norm: sum / (sequences × max_new_tokens) (Dr. GRPO), a constant
+    normaliser, so no length bias.  Rows without tokens are not sequences: they change
+    nothing, and an empty batch gives 0 (with a valid gradient).
+    """
+    mask = mask.bool()
+    values = torch.where(mask, values, 0.0)
+    if agg == "token-mean":
+        return values.sum() / mask.sum().clamp(min=1)
+    lengths = mask.sum(dim=1)
+    sequences = (lengths > 0).sum().clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        return (values.sum(dim=1) / lengths.clamp(min=1)).sum() / sequences
+    if agg == "seq-mean-token-sum-norm":
+        if max_new_tokens is None or int(max_new_tokens) < 1:
+            raise ValueError(f"agg {agg!r} needs max_new_tokens >= 1, got {max_new_tokens}")
+        return values.sum() / (sequences * int(max_new_tokens))
+    raise ValueError(f"unknown agg {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
+
+
+# ------------------------------------------------------------ KL to reference
+
+
+def _kl_k1(log_ref_ratio: Tensor) -> Tensor:
+    return -log_ref_ratio
+
+
+def _kl_k2(log_ref_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ref_ratio**2
+
+
+def _kl_k3(log_ref_ratio: Tensor) -> Tensor:
+    return torch.expm1(log_ref_ratio) - log_ref_ratio
+
+
+# Estimators of KL(pi_theta || pi_ref) from r = ln(pi_ref / pi_theta) at sampled tokens (Schulman, 2020).
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    algo: str = "atr",
+    agg: str = "token-mean",
+    max_new_tokens: int | None = None,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    **params,
+) -> LossOutput:
+    """The policy loss of `algo` aggregated by `agg`, and its diagnostics.
+
+    logp, old_logp, mask: [B, T] (any float dtype; the ratio is computed in float32);
+    advantages: [B] or [B, T].  `params` go to the loss (e.g. eps, max_kl3, delta,
+    measure, eps_low, eps_high, dual_clip).  With `ref_logp` the KL to the reference is
+    reported as `kl/ref` and `beta` times it is added; with `entropy` (per token) it is
+    reported as `entropy` and `entropy_coef` times it is subtracted.
+    """
+    if algo not in POLICY_LOSSES:
+        raise ValueError(f"unknown algo {algo!r}; choose one of {', '.join(POLICY_LOSSES)}")
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown agg {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
+    _check_params(algo, params)
+    beta, entropy_coef = float(beta), float(entropy_coef)
+    if not (math.isfinite(beta) and beta >= 0):
+        raise ValueError(f"beta must be a finite number >= 0, got {beta}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+    if not math.isfinite(entropy_coef):
+        raise ValueError(f"entropy_coef must be finite, got {entropy_coef}")
+    if entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs entropy")
+
+    tokens = _prepare(logp, old_logp, advantages, mask)
+    token_loss, clip_metrics = POLICY_LOSSES[algo](tokens, **params)
+    extra: dict[str, Tensor] = {}
+    if ref_logp is not None:
+        kl = KL_ESTIMATORS[kl_estimator](_masked_log_ratio(_aligned(ref_logp, mask, "ref_logp"), tokens))
+        token_loss = token_loss + beta * kl
+        extra["kl/ref"] = kl
+    if entropy is not None:
+        entropy = torch.where(tokens.mask, _aligned(entropy, mask, "entropy").float(), 0.0)
+        token_loss = token_loss - entropy_coef * entropy
+        extra["entropy"] = entropy
+    loss = aggregate(token_loss, tokens.mask, agg, max_new_tokens)
+    return LossOutput(loss, _metrics(tokens, loss, clip_metrics, extra))
+
+
+def _check_params(algo: str, params: dict) -> None:
+    """Unknown parameter names fail loudly (the constant trust regions check their own)."""
+    accepted = inspect.signature(POLICY_LOSSES[algo]).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return
+    names = [name for name, p in accepted.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    for name in params:
+        if name not in names:
+            raise ValueError(f"algo {algo!r} takes no parameter {name!r}; it takes {', '.join(names)}")
+
+
+def _aligned(tensor: Tensor, mask: Tensor, name: str) -> Tensor:
+    if tensor.shape != mask.shape:
+        raise ValueError(f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(tensor.shape)}")
+    return tensor
+
+
+def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> Tokens:
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
+    mask = mask.bool()
+    logp = torch.where(mask, _aligned(logp, mask, "logp").float(), 0.0)
+    old_logp = torch.where(mask, _aligned(old_logp, mask, "old_logp").detach().float(), 0.0)
+    if advantages.shape == mask.shape[:1]:
+        advantages = advantages[:, None]
+    elif advantages.shape != mask.shape:
+        raise ValueError(
+            f"advantages must be [B] or [B, T] for mask {tuple(mask.shape)}, got {tuple(advantages.shape)}"
+        )
+    advantages = torch.where(mask, advantages.detach().float(), 0.0)
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return Tokens(logp, old_logp, log_ratio, log_ratio.exp(), advantages, mask)
+
+
+def _masked_log_ratio(ref_logp: Tensor, tokens: Tokens) -> Tensor:
+    """ln(pi_ref / pi_theta) per token, clamped like the policy ratio, 0 at padding."""
+    ref_logp = torch.where(tokens.mask, ref_logp.detach().float(), 0.0)
+    return (ref_logp - tokens.logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+@torch.no_grad()
+def _metrics(tokens: Tokens, loss: Tensor, clip_metrics: dict[str, Tensor], extra: dict[str, Tensor]):
+    """All diagnostics as floats, fetched from the device in one transfer.
+
+    Padding holds log_ratio = 0 (kl3 = 0, no KL, no entropy), so sums over all entries
+    are sums over masked tokens.  An empty mask reports w = 1 (no movement) and zeros.
+    """
+    mask, log_ratio, ratio = tokens.mask, tokens.log_ratio, tokens.ratio
+    count = mask.sum().clamp(min=1)
+    kl3 = torch.expm1(log_ratio) - log_ratio  # w - 1 - ln w without the cancellation near w = 1
+    any_token = mask.any()
+    values = {
+        "loss": loss.detach(),
+        **clip_metrics,
+        "kl3/mean": kl3.sum() / count,
+        "kl3/max": kl3.amax(),
+        "ratio/min": torch.where(any_token, torch.where(mask, ratio, math.inf).amin(), 1.0),
+        "ratio/max": torch.where(any_token, torch.where(mask, ratio, 0.0).amax(), 1.0),
+        **{name: value.sum() / count for name, value in extra.items()},
+    }
+    floats = torch.stack([value.float() for value in values.values()]).tolist()
+    return dict(zip(values, floats, strict=True))
