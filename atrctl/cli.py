@@ -157,6 +157,59 @@ def _sweep_table(rows):
     return table
 
 
+# ------------------------------------------------------------------- warmup
+
+
+def _quiet_libraries() -> None:
+    """Our progress display is the only one: silence transformers' and the hub's tqdm bars."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+RecipeOption = Annotated[Path | None, typer.Option("--recipe", help="TOML recipe [default: built-in defaults].")]
+SetOption = Annotated[
+    list[str] | None, typer.Option("--set", help="Override any recipe key: section.key=value (repeatable).")
+]
+
+
+@app.command()
+def warmup(
+    recipe: RecipeOption = None,
+    seed: Annotated[int | None, typer.Option(help="Warm-up seed (initial weights, data order).")] = None,
+    set_: SetOption = None,
+    results: Annotated[Path, typer.Option(help="Results folder; bases live in <results>/bases/.")] = Path("results"),
+) -> None:
+    """Build (or reuse) the warmed-up base model of a recipe and report its held-out greedy accuracy."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from atrctl.bases import base_key, ensure_base
+    from atrctl.config import load_recipe
+    from atrctl.models import PRESETS
+
+    _quiet_libraries()
+    overrides = list(set_ or []) + ([f"warmup.seed={seed}"] if seed is not None else [])
+    config = load_recipe(recipe, overrides)
+    if config.model.base not in PRESETS:
+        raise UserError(f"model.base '{config.model.base}' is not a preset ({', '.join(PRESETS)}): "
+                        "real models are used as they are, without a warm-up")
+    columns = (TextColumn("warm-up"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task("warm-up", total=config.warmup.max_steps, status="")
+        shown = {"accuracy": "–"}
+
+        def on_progress(step: int, loss: float, accuracy: float | None) -> None:
+            if accuracy is not None:
+                shown["accuracy"] = f"{accuracy:.1%}"
+            progress.update(bar, completed=step, status=f"loss {loss:.3f}  held-out greedy {shown['accuracy']}")
+
+        path, info = ensure_base(config, results, on_progress)
+    console.print(f"base {base_key(config)}: held-out greedy accuracy {info['accuracy']:.1%} "
+                  f"after {info['steps']} steps in {info['seconds']:.1f} s  →  {path}")
+
+
 # ------------------------------------------------- commands not built yet
 
 _PENDING = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from atrctl.errors import UserError
 from atrctl.tasks.arith import ArithTask
-from atrctl.tasks.base import Problem, Score, Task
+from atrctl.tasks.base import Problem, Score, Task, problem_pool
 from atrctl.tasks.countdown import CountdownTask
 from atrctl.tasks.gsm8k import GSM8KTask
 from atrctl.tasks.hendrycks_math import MathTask
@@ -18,7 +18,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "math": MathTask,
 }
 
-__all__ = ["TASKS", "Problem", "Score", "Task", "get_task"]
+__all__ = ["TASKS", "Problem", "Score", "Task", "get_task", "problem_pool"]
 
 
 def get_task(name: str, **params) -> Task:

@@ -46,3 +46,15 @@ def require_int(task: str, name: str, value: object, lo: int, hi: int) -> None:
     """Task parameters come from TOML or the command line, so check type and range once, up front."""
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise UserError(f"{task} parameter {name}={value!r} is invalid; use an integer from {lo} to {hi}")
+
+
+def problem_pool(task: Task, split: str, n: int, seed: int) -> list[Problem]:
+    """Up to n distinct problems for a trainer to cycle through: all of a split smaller than n.
+
+    Tasks refuse to invent duplicates when asked for more than a split holds; a trainer only
+    wants as many as there are, so a small split is taken whole (listed in full, n=None).
+    """
+    try:
+        return task.problems(split, n, seed)
+    except UserError:
+        return task.problems(split, None, seed)

@@ -1,0 +1,90 @@
+"""Warmed-up base models, cached by everything that determines them.
+
+Two arms of a comparison must start from the identical policy.  A base is therefore stored once under
+results/bases/<key>/ (an ordinary Hugging Face model directory plus base.json with its measured
+accuracy), where the key hashes the task, the preset, the architecture and the warm-up settings, and
+every later run reuses it.  Real models (a hub name or a directory) need no warm-up and pass through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from atrctl import io
+from atrctl.config import Recipe
+from atrctl.models import CHAR_ALPHABET, PRESETS
+
+BASE_FORMAT = 1  # bump when the warm-up procedure changes what a key produces
+
+
+def base_identity(recipe: Recipe) -> dict:
+    """Everything that determines a warmed-up preset (device and dtype are deliberately not part of it)."""
+    return {
+        "format": BASE_FORMAT,
+        "task": recipe.task.name,
+        "task_args": recipe.task.args,
+        "preset": recipe.model.base,
+        "arch": recipe.model.arch,
+        "alphabet": CHAR_ALPHABET,
+        "warmup": dataclasses.asdict(recipe.warmup),
+    }
+
+
+def base_key(recipe: Recipe) -> str:
+    text = json.dumps(base_identity(recipe), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_base_info(path: str | Path) -> dict | None:
+    """base.json of a cached base, or None for a directory that is not one."""
+    info = Path(path) / "base.json"
+    return json.loads(info.read_text()) if info.is_file() else None
+
+
+def ensure_base(recipe: Recipe, results: str | Path = "results",
+                on_progress: Callable[[int, float, float | None], None] | None = None) -> tuple[Path | str, dict]:
+    """(model location, info): the cached warm base of a preset, built first if missing; else the model as named.
+
+    A new base is written to a temporary directory and renamed into place, so an interrupted warm-up
+    never leaves a half-written base that a later run would trust.
+    """
+    if recipe.model.base not in PRESETS:
+        return recipe.model.base, {}
+    target = Path(results) / "bases" / base_key(recipe)
+    info = read_base_info(target)
+    if info is not None:
+        return target, info
+
+    from atrctl.models import build_char_tokenizer, build_model, resolve_device, set_cpu_threads
+    from atrctl.tasks import get_task
+    from atrctl.warmup import warm_up
+
+    task = get_task(recipe.task.name, **recipe.task.args)
+    set_cpu_threads()
+    tokenizer = build_char_tokenizer()
+    model = build_model(recipe.model.base, tokenizer, arch=recipe.model.arch, seed=recipe.warmup.seed)
+    model.to(resolve_device(recipe.model.device))
+    result = warm_up(model, tokenizer, task, recipe.warmup, on_progress)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.to("cpu").save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        info = {"identity": base_identity(recipe), "accuracy": result.accuracy, "steps": result.steps,
+                "seconds": round(result.seconds, 2), "history": result.history}
+        io.write_text(staging / "base.json", json.dumps(info, indent=2) + "\n")
+        os.chmod(staging, 0o755)
+        os.rename(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if read_base_info(target) is None:  # not a concurrent builder winning the race: a real failure
+            raise
+    return target, read_base_info(target)
