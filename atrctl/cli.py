@@ -219,10 +219,115 @@ def _not_built(command: str, issue: int) -> None:
     raise UserError(f"`atrctl {command}` is not built yet (tracked in issue {issue}); try `atrctl plot-bounds`")
 
 
-@app.command(**_PENDING)
-def train() -> None:
+def _train_overrides(algo, max_kl3, eps, eps_high, steps, seed, group_size, prompts, lr, device, tensorboard):
+    """The common flags as recipe overrides (applied after --recipe and before --set)."""
+    loss = algo
+    pairs = [("algo.loss", algo), ("run.steps", steps), ("run.seed", seed), ("rollout.group_size", group_size),
+             ("rollout.prompts", prompts), ("optim.lr", lr), ("model.device", device),
+             ("run.tensorboard", True if tensorboard else None), ("algo.args.max_kl3", max_kl3),
+             ("algo.args.eps" if loss in (None, "grpo") else "algo.args.eps_low", eps),
+             ("algo.args.eps_high", eps_high)]
+    return [f"{key}={value}" for key, value in pairs if value is not None]
+
+
+@app.command()
+def train(
+    algo: Annotated[str | None, typer.Option(help="Policy loss: atr (default), grpo, dapo, k2, kl-band, ...")] = None,
+    max_kl3: Annotated[float | None, typer.Option(help="ATR-GRPO's KL3 level δ [default: 0.1].")] = None,
+    eps: Annotated[float | None, typer.Option(help="Clip ε of grpo (ε_low of dapo/gspo/cispo).")] = None,
+    eps_high: Annotated[float | None, typer.Option(help="Upper clip ε_high of dapo/gspo/cispo.")] = None,
+    steps: Annotated[int | None, typer.Option(help="RL steps [default: 200].")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of prompt order and sampling [default: 0].")] = None,
+    group_size: Annotated[int | None, typer.Option(help="Completions per prompt G [default: 8].")] = None,
+    prompts: Annotated[int | None, typer.Option(help="Prompts per step [default: 64].")] = None,
+    lr: Annotated[float | None, typer.Option(help="Learning rate [default: 2e-4].")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda [default: auto].")] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Run name: results/<name>/ [default: <algo>-<task>-s<seed>-<time>].")
+    ] = None,
+    recipe: RecipeOption = None,
+    set_: SetOption = None,
+    resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory from its checkpoint.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory of the same name.")] = False,
+    tensorboard: Annotated[bool, typer.Option(help="Also write TensorBoard event files.")] = False,
+    results: Annotated[Path, typer.Option(help="Results folder.")] = Path("results"),
+) -> None:
     """Train a policy with GRPO, ATR-GRPO or another registered loss."""
-    _not_built("train", 5)
+    import time as clock
+
+    from atrctl.config import load_recipe, recipe_from_dict
+
+    _quiet_libraries()
+    overrides = _train_overrides(algo, max_kl3, eps, eps_high, steps, seed, group_size, prompts, lr, device,
+                                 tensorboard) + list(set_ or [])
+    if resume is not None:
+        if overrides or recipe is not None or name is not None or overwrite:
+            raise UserError("--resume continues a run with its own recorded recipe: drop the other options")
+        directory = resume
+        saved = directory / "config.toml"
+        if not saved.is_file():
+            raise UserError(f"--resume {directory}: no config.toml there; give a run directory such as results/<run>")
+        import tomllib
+
+        data = tomllib.loads(saved.read_text())
+        data.pop("environment", None)
+        config = recipe_from_dict(data)
+    else:
+        config = load_recipe(recipe, overrides)
+        stamp = clock.strftime("%Y%m%d-%H%M%S")
+        directory = results / (name or f"{config.algo.loss}-{config.task.name}-s{config.run.seed}-{stamp}")
+
+    from atrctl.train import TrainingStopped, prepare_directory, train_run_directory_cleanup, validate_algo
+
+    validate_algo(config)
+    created = not directory.exists()
+    prepare_directory(directory, config, resume is not None, overwrite)
+    try:
+        summary = _train_with_display(config, directory, results, resume is not None)
+    except KeyboardInterrupt:
+        stderr.print(f"interrupted: checkpoint saved; continue with  atrctl train --resume {directory}")
+        raise typer.Exit(130) from None
+    except TrainingStopped as error:
+        stderr.print(f"error: {error}", markup=False)
+        raise typer.Exit(1) from None
+    except UserError:
+        if created:
+            train_run_directory_cleanup(directory)
+        raise
+    base, final = summary["base"], summary["final"]
+    console.print(f"done: {directory}  held-out greedy {base['eval/greedy']:.1%} → {final['eval/greedy']:.1%}, "
+                  f"sampled pass@1 {base['eval/pass@1']:.1%} → {final['eval/pass@1']:.1%}")
+
+
+def _train_with_display(config, directory: Path, results: Path, resume: bool) -> dict:
+    """Run training under a rich live bar: step, reward, clip fractions, kl3, entropy, tokens/s, ETA."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from atrctl.train import train as run_training
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task("warm-up", total=config.warmup.max_steps, status="")
+
+        def on_warmup(step: int, loss: float, accuracy: float | None) -> None:
+            status = f"loss {loss:.3f}" + (f"  held-out greedy {accuracy:.1%}" if accuracy is not None else "")
+            progress.update(bar, completed=step, status=status)
+
+        started = {"train": False}
+
+        def on_step(record: dict) -> None:
+            if not started["train"]:
+                progress.reset(bar, total=config.run.steps, description=f"train {config.algo.loss}")
+                started["train"] = True
+            status = (f"reward {record['reward/mean']:.3f}  clip low {record.get('clip/low', 0):.3f} "
+                      f"high {record.get('clip/high', 0):.3f}  kl3 {record.get('kl3/mean', 0):.2e}  "
+                      f"entropy {record.get('entropy', 0):.3f}  {record['tokens_per_s']:.0f} tok/s")
+            if "eval/greedy" in record:
+                status += f"  eval greedy {record['eval/greedy']:.1%} pass@1 {record['eval/pass@1']:.1%}"
+            progress.update(bar, completed=record["step"], status=status)
+
+        return run_training(config, directory, results=results, resume=resume, on_step=on_step, on_warmup=on_warmup)
 
 
 @app.command("eval", **_PENDING)

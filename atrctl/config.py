@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import sys
 import types
@@ -73,12 +74,105 @@ class WarmupConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """Sampling of the training batch: `prompts` × `group_size` completions per step."""
+
+    prompts: int = 64
+    """Distinct prompts per step."""
+    group_size: int = 8
+    """Completions per prompt (G): the group whose rewards define each advantage."""
+    max_new_tokens: int = 8
+    """Longest completion; 3-digit sums need 4 digits plus EOS."""
+    temperature: float = 1.0
+    """Sampling temperature; the policy's logprobs use the same one."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 = off)."""
+
+
+@dataclass
+class AlgoConfig:
+    """The policy loss and how it is applied (DESIGN.md §1-2)."""
+
+    loss: str = "atr"
+    """Registered loss: grpo, dapo, atr, k2, reverse-kl3, divergence, tv-band, kl-band, gspo, cispo."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """The loss's parameters beyond its defaults: max_kl3 (atr), eps (grpo), eps_low/eps_high (dapo), delta, ..."""
+    advantage: str = "grpo"
+    """Advantage estimator: grpo (mean/std), drgrpo (mean only), rloo (leave-one-out)."""
+    agg: str = "token-mean"
+    """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)."""
+    num_iterations: int = 1
+    """Passes (μ) over each rollout batch; 1 = strictly on-policy, the ratio is 1 throughout."""
+    minibatches: int = 1
+    """Optimiser steps per pass: the batch is split into this many mini-batches of whole groups."""
+    beta: float = 0.0
+    """KL-to-reference coefficient; 0 loads no reference model."""
+    kl_estimator: str = "k3"
+    """Estimator of KL(π_θ‖π_ref) for beta > 0: k1, k2 or k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0 = off; entropy is logged either way)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its schedule."""
+
+    lr: float = 2e-4
+    """Peak learning rate (tiny models collapse above ~5e-4)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this."""
+    schedule: str = "constant"
+    """constant or cosine (to 10% of lr), each after `warmup_steps` of linear warm-up."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during training: greedy accuracy and sampled pass@1."""
+
+    every: int = 25
+    """Evaluate every this many steps (and at the start and the end)."""
+    problems: int = 200
+    """Held-out test problems; the same ones every time, for every run."""
+    samples: int = 4
+    """Samples per problem for pass@1 (the mean correctness of samples)."""
+    temperature: float = 1.0
+    """Temperature of the pass@1 samples."""
+    seed: int = 1234
+    """Seed of the held-out problems and their samples: shared by runs so they are comparable."""
+
+
+@dataclass
+class RunConfig:
+    """Length, seed and bookkeeping of one training run."""
+
+    steps: int = 200
+    """Optimiser steps of RL (one rollout batch each)."""
+    seed: int = 0
+    """Seed of prompt order and sampling (the base has its own, warmup.seed)."""
+    checkpoint_every: int = 50
+    """Write a resumable checkpoint every this many steps (and on Ctrl-C and at the end)."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive steps with a NaN/inf loss or gradient (each is skipped)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (needs the tensorboard package)."""
+
+
+@dataclass
 class Recipe:
     """A whole experiment; sections map one to one to TOML tables."""
 
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
 
 # --------------------------------------------------------------- validation
@@ -87,12 +181,20 @@ _CHOICES = {
     ("model", "arch"): ("llama", "qwen2"),
     ("model", "device"): ("auto", "cpu", "cuda"),
     ("model", "dtype"): ("auto", "float32", "bfloat16"),
+    ("algo", "advantage"): ("grpo", "drgrpo", "rloo"),
+    ("algo", "agg"): ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    ("algo", "kl_estimator"): ("k1", "k2", "k3"),
+    ("optim", "schedule"): ("constant", "cosine"),
 }
 _POSITIVE = {
     ("warmup", "max_steps"), ("warmup", "batch_size"), ("warmup", "lr"), ("warmup", "eval_every"),
-    ("warmup", "eval_problems"),
+    ("warmup", "eval_problems"), ("rollout", "prompts"), ("rollout", "max_new_tokens"),
+    ("rollout", "temperature"), ("algo", "num_iterations"), ("algo", "minibatches"), ("optim", "lr"),
+    ("optim", "grad_clip"), ("eval", "every"), ("eval", "problems"), ("eval", "samples"),
+    ("eval", "temperature"), ("run", "steps"), ("run", "checkpoint_every"), ("run", "max_bad_steps"),
 }
-_FRACTIONS = {("warmup", "target_accuracy")}
+_NON_NEGATIVE = {("algo", "beta"), ("optim", "weight_decay"), ("optim", "warmup_steps")}
+_FRACTIONS = {("warmup", "target_accuracy"), ("rollout", "top_p")}
 
 
 def _closest(key: str, valid: typing.Iterable[str], prefix: str = "") -> str:
@@ -130,8 +232,12 @@ def _check_value(section: str, key: str, value: Any) -> None:
         raise UserError(f"{where} = {value!r} is not one of {', '.join(_CHOICES[section, key])}")
     if (section, key) in _POSITIVE and not (value > 0 and math.isfinite(value)):
         raise UserError(f"{where} must be > 0, got {value}")
+    if (section, key) in _NON_NEGATIVE and not (value >= 0 and math.isfinite(value)):
+        raise UserError(f"{where} must be >= 0, got {value}")
     if (section, key) in _FRACTIONS and not 0 < value <= 1:
         raise UserError(f"{where} must be in (0, 1], got {value}")
+    if (section, key) == ("rollout", "group_size") and value < 2:
+        raise UserError(f"{where} must be at least 2 (a group of one has no baseline), got {value}")
 
 
 def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
@@ -162,6 +268,30 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     return dataclasses.asdict(recipe)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def to_toml(tables: dict[str, dict[str, Any]]) -> str:
+    """A two-level dict (tables of scalars, lists and inline tables) as TOML that load_recipe reads back."""
+    lines = []
+    for table, values in tables.items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ loading

@@ -122,6 +122,15 @@ def sample(
     return Rollout(prompt, prompt_mask, completion_ids, completion_mask, logprobs)
 
 
+def _completion_logits(model: PreTrainedModel, rollout: Rollout, temperature: float) -> torch.Tensor:
+    """Float32 logits / temperature at the positions that predict each completion token: [B, T, V]."""
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
+    width = rollout.completion_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=width + 1)
+    return logits.logits[:, :-1].float() / temperature
+
+
 def completion_logprobs(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits.float() / temperature) at each completion token, from one full forward pass.
 
@@ -129,13 +138,20 @@ def completion_logprobs(model: PreTrainedModel, rollout: Rollout, temperature: f
     it keeps the graph, so call it under torch.no_grad() when no gradient is wanted. [B, T] float32,
     0 where the completion is masked.
     """
-    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
-    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
-    width = rollout.completion_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-    logits = logits[:, -width - 1 : -1].float() / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, rollout.completion_ids[..., None])[..., 0]
-    return logp * rollout.completion_mask
+    return completion_logprobs_and_entropy(model, rollout, temperature)[0]
+
+
+def completion_logprobs_and_entropy(
+    model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy of the sampling distribution) per completion token, both [B, T], 0 where masked.
+
+    The entropy shares the forward pass; it carries a gradient, for an entropy bonus.
+    """
+    logp_all = torch.log_softmax(_completion_logits(model, rollout, temperature), -1)
+    logp = logp_all.gather(-1, rollout.completion_ids[..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp * rollout.completion_mask, entropy * rollout.completion_mask
 
 
 def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:

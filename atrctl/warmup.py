@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atrctl.config import WarmupConfig
-from atrctl.sampling import decode_completions, sample
+from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
 from atrctl.tasks import Problem, Task, problem_pool
 
 TRAIN_POOL = 20_000  # distinct train problems cycled through; more than any warm-up needs to see
@@ -56,21 +56,11 @@ def answer_loss(model, ids: torch.Tensor, attention: torch.Tensor, on_answer: to
     return (nll * weight).sum() / weight.sum().clamp(min=1.0)
 
 
-def greedy_accuracy(model, tokenizer, task: Task, problems: Sequence[Problem], max_new_tokens: int,
-                    batch_size: int = 512) -> float:
+def greedy_accuracy(model, tokenizer, task: Task, problems: Sequence[Problem], max_new_tokens: int) -> float:
     """Fraction of problems whose greedy completion earns reward 1."""
-    solved = 0.0
-    was_training = model.training
-    model.eval()
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start : start + batch_size]
-        prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in chunk]
-        rollout = sample(model, prompts, max_new_tokens=max_new_tokens, greedy=True,
-                         eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
-        texts = decode_completions(tokenizer, rollout)
-        solved += sum(task.score(p, t).reward for p, t in zip(chunk, texts, strict=True))
-    model.train(was_training)
-    return solved / max(len(problems), 1)
+    prompt_ids = encode_prompts(tokenizer, problems)
+    return mean_reward(sampled_scores(model, tokenizer, task, problems, prompt_ids, samples=1,
+                                      max_new_tokens=max_new_tokens, greedy=True))
 
 
 def answer_budget(tokenizer, problems: Sequence[Problem], slack: int = 2) -> int:

@@ -1,0 +1,94 @@
+"""Resumable training state, written atomically and loaded without unpickling arbitrary objects.
+
+A checkpoint is a directory: model weights as safetensors, the optimiser state through
+torch.save (read back with weights_only=True: tensors and plain containers only), and the step,
+counters and RNG states as JSON.  It is written beside the old one and swapped in by rename, so a
+crash at any moment leaves a complete checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from atrctl import io
+
+
+@dataclass
+class TrainState:
+    """What, besides weights and optimiser, a resumed run needs to continue identically."""
+
+    step: int = 0
+    bad_steps: int = 0  # consecutive steps skipped for a non-finite loss or gradient
+    skipped_steps: int = 0  # all skipped steps
+    sampler_rng: list[int] = field(default_factory=list)  # torch.Generator state of rollout sampling
+    torch_rng: list[int] = field(default_factory=list)
+    python_rng: list = field(default_factory=list)
+
+
+def capture_rng(state: TrainState, sampler: torch.Generator) -> None:
+    state.sampler_rng = sampler.get_state().tolist()
+    state.torch_rng = torch.get_rng_state().tolist()
+    version, internal, gauss = random.getstate()
+    state.python_rng = [version, list(internal), gauss]
+
+
+def restore_rng(state: TrainState, sampler: torch.Generator) -> None:
+    sampler.set_state(torch.tensor(state.sampler_rng, dtype=torch.uint8))
+    torch.set_rng_state(torch.tensor(state.torch_rng, dtype=torch.uint8))
+    version, internal, gauss = state.python_rng
+    random.setstate((version, tuple(internal), gauss))
+
+
+def save_checkpoint(directory: Path, model, optimizer, state: TrainState) -> None:
+    """Write the checkpoint to a staging directory, then swap it in for the old one."""
+    directory = Path(directory)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
+        save_file(_untie(weights), staging / "model.safetensors")
+        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        io.write_text(staging / "state.json", json.dumps(asdict(state)) + "\n")
+        previous = directory.with_name(directory.name + ".old")
+        if directory.exists():
+            directory.rename(previous)
+        staging.rename(directory)
+        shutil.rmtree(previous, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def find_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint directory, or the previous one if a crash hit between the two renames."""
+    directory = Path(directory)
+    for candidate in (directory, directory.with_name(directory.name + ".old")):
+        if (candidate / "state.json").is_file():
+            return candidate
+    return None
+
+
+def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
+    """Load weights and optimiser state in place; return the saved TrainState."""
+    device = next(model.parameters()).device
+    model.load_state_dict(load_file(directory / "model.safetensors", device=str(device)), strict=False)
+    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
+    return TrainState(**json.loads((directory / "state.json").read_text()))
+
+
+def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage (tied embeddings): store a copy of each repeated tensor."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in weights.items():
+        pointer = tensor.data_ptr()
+        out[name] = tensor.clone() if pointer in seen else tensor
+        seen.add(pointer)
+    return out

@@ -1,0 +1,49 @@
+"""Sample completions for problems and score them with the task's verifier.
+
+Shared by warm-up, training-time evaluation and `atrctl eval`: prompts are encoded one way
+everywhere (chat template when asked, the tokenizer's own special tokens otherwise), and
+sampling runs in large batches of whole problems.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from atrctl.models import format_prompt
+from atrctl.sampling import decode_completions, sample
+from atrctl.tasks import Problem, Score, Task
+
+
+def encode_prompts(tokenizer, problems: Sequence[Problem], chat_template: bool = False) -> list[list[int]]:
+    """Token ids of each problem's prompt; a chat template already carries its special tokens."""
+    texts = [format_prompt(tokenizer, p.prompt, chat_template) for p in problems]
+    return [tokenizer(text, add_special_tokens=not chat_template)["input_ids"] for text in texts]
+
+
+def sampled_scores(model, tokenizer, task: Task, problems: Sequence[Problem], prompt_ids: Sequence[list[int]], *,
+                   samples: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                   greedy: bool = False, generator: torch.Generator | None = None,
+                   batch_size: int = 1024) -> list[list[Score]]:
+    """`samples` scored completions per problem ([problems][samples]), sampled in batches of whole problems."""
+    per_batch = max(1, batch_size // samples)
+    scores: list[list[Score]] = []
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(problems), per_batch):
+        chunk = problems[start : start + per_batch]
+        ids = [prompt for prompt in prompt_ids[start : start + per_batch] for _ in range(samples)]
+        rollout = sample(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                         greedy=greedy, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                         generator=generator)
+        texts = decode_completions(tokenizer, rollout)
+        for i, problem in enumerate(chunk):
+            scores.append([task.score(problem, text) for text in texts[i * samples : (i + 1) * samples]])
+    model.train(was_training)
+    return scores
+
+
+def mean_reward(scores: Sequence[Sequence[Score]]) -> float:
+    rewards = [s.reward for row in scores for s in row]
+    return sum(rewards) / max(len(rewards), 1)

@@ -1,0 +1,417 @@
+"""The GRPO / ATR-GRPO training loop: rollout → rewards → advantages → policy loss → AdamW.
+
+Readable top to bottom: `train` sets up, then each step samples `prompts × group_size`
+completions, scores them, turns rewards into group-relative advantages and takes
+`num_iterations × minibatches` optimiser steps with the registered policy loss.  Everything a
+resumed run needs (weights, optimiser, RNG, step) is checkpointed; the prompt order is a pure
+function of (seed, step), so the data position is the step itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from atrctl import __version__, io
+from atrctl.advantages import group_advantages
+from atrctl.checkpoint import TrainState, capture_rng, find_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from atrctl.config import Recipe, recipe_to_dict, to_toml
+from atrctl.errors import UserError
+from atrctl.losses import POLICY_LOSSES, policy_loss
+from atrctl.sampling import (
+    Rollout,
+    completion_logprobs,
+    completion_logprobs_and_entropy,
+    decode_completions,
+    sample,
+)
+from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
+from atrctl.tasks import Problem, get_task, problem_pool
+
+PROMPT_POOL = 20_000  # distinct train prompts cycled through in a seeded order
+MIN_KEYS = ("ratio/min",)
+MAX_KEYS = ("ratio/max", "kl3/max")
+
+
+class TrainingStopped(Exception):
+    """Too many consecutive non-finite steps: the run stops with a valid checkpoint."""
+
+
+# ------------------------------------------------------------------- pure parts
+
+
+def lr_at(step: int, lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Learning rate of optimiser step `step` (0-based): linear warm-up, then constant or cosine to 10%."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def prompts_for_step(pool_size: int, step: int, prompts: int, seed: int) -> list[int]:
+    """Indices into the prompt pool for one step: epochs of seeded permutations, a pure function of step."""
+    indices, permutations = [], {}
+    for position in range(step * prompts, (step + 1) * prompts):
+        epoch, offset = divmod(position, pool_size)
+        if epoch not in permutations:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            permutations[epoch] = torch.randperm(pool_size, generator=generator).tolist()
+        indices.append(permutations[epoch][offset])
+    return indices
+
+
+def validate_algo(recipe: Recipe) -> None:
+    """Fail before any work if the loss, its parameters or the batch split are wrong."""
+    algo = recipe.algo
+    if algo.loss not in POLICY_LOSSES:
+        raise UserError(f"algo.loss = '{algo.loss}' is not a registered loss; use one of {', '.join(POLICY_LOSSES)}")
+    if recipe.rollout.prompts % algo.minibatches:
+        raise UserError(f"rollout.prompts ({recipe.rollout.prompts}) must be divisible by algo.minibatches "
+                        f"({algo.minibatches}) so that groups stay whole")
+    probe = torch.zeros(1, 1)
+    try:
+        policy_loss(probe, probe, torch.zeros(1), torch.ones(1, 1), algo=algo.loss, agg=algo.agg,
+                    max_new_tokens=recipe.rollout.max_new_tokens, **algo.args)
+    except ValueError as error:
+        raise UserError(f"algo.args for '{algo.loss}': {error}") from None
+
+
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Merge the metrics of several optimiser steps: min/max where they are extremes, else the mean."""
+    out = {}
+    for key in parts[0]:
+        values = [part[key] for part in parts]
+        out[key] = min(values) if key in MIN_KEYS else max(values) if key in MAX_KEYS else sum(values) / len(values)
+    return out
+
+
+# ----------------------------------------------------------------- the run
+
+
+@dataclass
+class Run:
+    """Everything the loop touches, set up once."""
+
+    recipe: Recipe
+    directory: Path
+    model: torch.nn.Module
+    tokenizer: object
+    task: object
+    pool: list[Problem]
+    pool_ids: list[list[int]]
+    held_out: list[Problem]
+    held_out_ids: list[list[int]]
+    optimizer: torch.optim.Optimizer
+    sampler: torch.Generator
+    device: torch.device
+    reference: torch.nn.Module | None = None
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+
+def rollout_step(run: Run, step: int) -> tuple[Rollout, torch.Tensor, list[Problem]]:
+    """Sample G completions for each of this step's prompts and score them: (rollout, rewards [P, G], problems)."""
+    cfg = run.recipe.rollout
+    picked = prompts_for_step(len(run.pool), step, cfg.prompts, run.recipe.run.seed)
+    problems = [run.pool[i] for i in picked]
+    prompt_ids = [run.pool_ids[i] for i in picked for _ in range(cfg.group_size)]
+    rollout = sample(run.model, prompt_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                     top_p=cfg.top_p, eos_id=run.tokenizer.eos_token_id, pad_id=run.tokenizer.pad_token_id,
+                     generator=run.sampler)
+    texts = decode_completions(run.tokenizer, rollout)
+    rewards = [run.task.score(problems[i // cfg.group_size], text).reward for i, text in enumerate(texts)]
+    return rollout, torch.tensor(rewards).view(cfg.prompts, cfg.group_size), problems
+
+
+def _rows(rollout: Rollout, rows: slice) -> Rollout:
+    return Rollout(*(getattr(rollout, f)[rows] for f in Rollout.__dataclass_fields__))
+
+
+def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int) -> tuple[dict[str, float], bool]:
+    """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
+    algo, cfg = run.recipe.algo, run.recipe
+    size = advantages.shape[0] // algo.minibatches
+    parts = [slice(i * size, (i + 1) * size) for i in range(algo.minibatches)]
+    on_policy = algo.num_iterations == 1 and algo.minibatches == 1
+    old_logp = ref_logp = None
+    with torch.no_grad(), run.autocast():
+        if not on_policy:  # the sampling policy's logprobs, with the update's numerics
+            old_logp = torch.cat([completion_logprobs(run.model, _rows(rollout, p), cfg.rollout.temperature)
+                                  for p in parts])
+        if run.reference is not None:
+            ref_logp = torch.cat([completion_logprobs(run.reference, _rows(rollout, p), cfg.rollout.temperature)
+                                  for p in parts])
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.run.steps)
+
+    collected, finite = [], True
+    for _ in range(algo.num_iterations):
+        for part in parts:
+            sub = _rows(rollout, part)
+            with run.autocast():
+                logp, entropy = completion_logprobs_and_entropy(run.model, sub, cfg.rollout.temperature)
+            loss, metrics = policy_loss(
+                logp, logp.detach() if on_policy else old_logp[part], advantages[part], sub.completion_mask,
+                algo=algo.loss, agg=algo.agg, max_new_tokens=cfg.rollout.max_new_tokens,
+                ref_logp=None if ref_logp is None else ref_logp[part], beta=algo.beta,
+                kl_estimator=algo.kl_estimator, entropy=entropy if algo.entropy_coef else entropy.detach(),
+                entropy_coef=algo.entropy_coef, **algo.args)
+            run.optimizer.zero_grad(set_to_none=True)
+            if not torch.isfinite(loss):
+                finite = False
+                continue
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip).item()
+            if not math.isfinite(grad_norm):
+                finite = False
+                run.optimizer.zero_grad(set_to_none=True)
+                continue
+            run.optimizer.step()
+            collected.append({**metrics, "grad_norm": grad_norm})
+    metrics = combine_metrics(collected) if collected else {}
+    metrics["lr"] = run.optimizer.param_groups[0]["lr"]
+    return metrics, finite
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """Held-out greedy accuracy and sampled pass@1, on the same problems and sample seed every time."""
+    cfg = run.recipe.eval
+    greedy = sampled_scores(run.model, run.tokenizer, run.task, run.held_out, run.held_out_ids, samples=1,
+                            max_new_tokens=run.recipe.rollout.max_new_tokens, greedy=True)
+    generator = torch.Generator(run.device).manual_seed(cfg.seed)
+    sampled = sampled_scores(run.model, run.tokenizer, run.task, run.held_out, run.held_out_ids,
+                             samples=cfg.samples, max_new_tokens=run.recipe.rollout.max_new_tokens,
+                             temperature=cfg.temperature, generator=generator)
+    return {"eval/greedy": mean_reward(greedy), "eval/pass@1": mean_reward(sampled)}
+
+
+def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
+    """One RL step: its metrics (DESIGN.md §2 names) and whether it was finite."""
+    started = time.perf_counter()
+    rollout, rewards, _ = rollout_step(run, step)
+    advantages, frac_zero_std = group_advantages(rewards, run.recipe.algo.advantage)
+    sampled = time.perf_counter()
+    metrics, finite = update_step(run, rollout, advantages.flatten().to(run.device), step)
+    done = time.perf_counter()
+    tokens = int(rollout.completion_mask.sum())
+    return {
+        "step": step + 1,
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
+        "frac_zero_std": frac_zero_std,
+        "len/mean": tokens / rewards.numel(),
+        **metrics,
+        "time/rollout": sampled - started,
+        "time/update": done - sampled,
+        "tokens_per_s": tokens / (done - started),
+    }, finite
+
+
+# ----------------------------------------------------------------- set-up
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """Versions and device recorded beside the recipe, so a result says what produced it."""
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"atrctl": __version__, "git_commit": commit or "unknown", "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": f"{device} ({name})",
+            "threads": str(torch.get_num_threads())}
+
+
+def build_run(recipe: Recipe, directory: Path, results: Path,
+              on_warmup: Callable[[int, float, float | None], None] | None = None) -> Run:
+    from atrctl.bases import ensure_base
+    from atrctl.models import load_model, set_cpu_threads
+
+    validate_algo(recipe)
+    task = get_task(recipe.task.name, **recipe.task.args)
+    set_cpu_threads()
+    base, _ = ensure_base(recipe, results, on_warmup)
+    model, tokenizer = load_model(str(base), recipe.model.device, recipe.model.dtype)
+    device = next(model.parameters()).device
+    if next(model.parameters()).dtype == torch.bfloat16:
+        model.float()  # master weights in float32; bf16 autocast does the arithmetic
+    model.train()
+    reference = None
+    if recipe.algo.beta > 0:
+        reference, _ = load_model(str(base), recipe.model.device, recipe.model.dtype)
+        reference.requires_grad_(False)
+    pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
+    held_out = task.problems("test", recipe.eval.problems, recipe.eval.seed)
+    chat = recipe.task.chat_template
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay)
+    sampler = torch.Generator(device).manual_seed(recipe.run.seed)
+    return Run(recipe, directory, model, tokenizer, task, pool, encode_prompts(tokenizer, pool, chat), held_out,
+               encode_prompts(tokenizer, held_out, chat), optimizer, sampler, device, reference)
+
+
+# ----------------------------------------------------------------- the loop
+
+
+class _StopRequest:
+    """Turn SIGINT/SIGTERM into a flag the loop checks between steps, so the checkpoint is consistent."""
+
+    def __init__(self):
+        self.signal = None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def _metrics_path(directory: Path) -> Path:
+    return directory / "metrics.jsonl"
+
+
+def _keep_metrics_until(directory: Path, step: int) -> None:
+    """On resume, drop logged steps after the checkpoint: they will be run again."""
+    path = _metrics_path(directory)
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        io.write_text(path, "".join(line + "\n" for line in lines))
+
+
+def prepare_directory(directory: Path, recipe: Recipe, resume: bool, overwrite: bool) -> None:
+    """A new run gets a fresh directory; an existing one is refused unless resumed or overwritten on purpose."""
+    if resume:
+        if find_checkpoint(directory / "checkpoint") is None:
+            raise UserError(f"{directory} has no checkpoint to resume; start it anew without --resume")
+        return
+    if directory.exists() and any(directory.iterdir()):
+        if not overwrite:
+            raise UserError(f"run directory {directory} already exists; pick another --name, "
+                            f"or pass --resume to continue it or --overwrite to replace it")
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+
+def train_run_directory_cleanup(directory: Path) -> None:
+    """Remove a run directory this invocation created, when bad input stopped it before any result."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), resume: bool = False,
+          on_step: Callable[[dict[str, float]], None] | None = None,
+          on_warmup: Callable[[int, float, float | None], None] | None = None) -> dict:
+    """Run (or resume) a training run in `directory`; returns the summary written to summary.json."""
+    run = build_run(recipe, directory, results, on_warmup)
+    state = TrainState()
+    checkpoint_dir = directory / "checkpoint"
+    if resume:
+        state = load_checkpoint(find_checkpoint(checkpoint_dir), run.model, run.optimizer)
+        restore_rng(state, run.sampler)
+        _keep_metrics_until(directory, state.step)
+    else:
+        io.write_text(directory / "config.toml",
+                      to_toml({**recipe_to_dict(recipe), "environment": environment(run.device)}))
+    writer = _tensorboard(directory) if recipe.run.tensorboard else None
+
+    def checkpoint() -> None:
+        capture_rng(state, run.sampler)
+        save_checkpoint(checkpoint_dir, run.model, run.optimizer, state)
+
+    def log(record: dict) -> None:
+        with open(_metrics_path(directory), "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, record["step"])
+        if on_step is not None:
+            on_step(record)
+
+    base_eval = _load_summary(directory).get("base") if resume else None
+    if base_eval is None:
+        base_eval = evaluate(run)
+        io.write_text(directory / "summary.json", json.dumps({"base": base_eval}, indent=2) + "\n")
+    started = time.perf_counter()
+    with _StopRequest() as stop:
+        while state.step < recipe.run.steps:
+            record, finite = train_step(run, state.step)
+            state.step += 1
+            if finite:
+                state.bad_steps = 0
+            else:
+                state.bad_steps += 1
+                state.skipped_steps += 1
+            record["skipped_steps"] = state.skipped_steps
+            if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
+                record.update(evaluate(run))
+            log(record)
+            if state.bad_steps >= recipe.run.max_bad_steps:
+                checkpoint()
+                raise TrainingStopped(
+                    f"{state.bad_steps} consecutive steps had a non-finite loss or gradient (at step {state.step}); "
+                    f"the checkpoint in {checkpoint_dir} holds the last finite weights: lower optim.lr and resume")
+            if state.step % recipe.run.checkpoint_every == 0 or state.step == recipe.run.steps:
+                checkpoint()
+            if stop.signal is not None:
+                checkpoint()
+                raise KeyboardInterrupt
+    if writer is not None:
+        writer.close()
+    return _finish(run, state, base_eval, time.perf_counter() - started)
+
+
+def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dict:
+    """Save the final model in Hugging Face format and write the headline figures."""
+    model_dir = run.directory / "model"
+    staging = run.directory / ".model.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    run.model.save_pretrained(staging)
+    run.tokenizer.save_pretrained(staging)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    staging.rename(model_dir)
+    final = _last_eval(run.directory)
+    summary = {"base": base_eval, "final": final, "steps": state.step, "skipped_steps": state.skipped_steps,
+               "algo": run.recipe.algo.loss, "algo_args": run.recipe.algo.args, "task": run.recipe.task.name,
+               "seed": run.recipe.run.seed, "train_seconds_this_session": round(seconds, 1)}
+    io.write_text(run.directory / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _last_eval(directory: Path) -> dict[str, float]:
+    records = [json.loads(line) for line in _metrics_path(directory).read_text().splitlines() if line]
+    evaluated = [r for r in records if "eval/greedy" in r]
+    return {k: v for k, v in evaluated[-1].items() if k.startswith("eval/")} if evaluated else {}
+
+
+def _load_summary(directory: Path) -> dict:
+    path = directory / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _tensorboard(directory: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter(str(directory / "tensorboard"))
