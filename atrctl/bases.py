@@ -31,6 +31,7 @@ def base_identity(recipe: Recipe) -> dict:
         "task": recipe.task.name,
         "task_args": recipe.task.args,
         "preset": recipe.model.base,
+        "preset_shape": PRESETS[recipe.model.base],
         "arch": recipe.model.arch,
         "alphabet": CHAR_ALPHABET,
         "warmup": dataclasses.asdict(recipe.warmup),

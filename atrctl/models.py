@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 CHAR_ALPHABET = string.digits + "+-*/()=<>.,:;?! " + string.ascii_lowercase + "\n"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 
-# name -> (hidden size, layers, attention heads); the MLP is 4x hidden.
-PRESETS = {"tiny": (64, 2, 2), "small": (128, 2, 4), "medium": (256, 4, 4)}
+# name -> (hidden size, layers, attention heads, initializer range); the MLP is 4x hidden.
+# tiny: 4 heads of dim 16 and a 0.1 init escape the 3-digit-addition SFT plateau on every seed tried
+# (0-8 reached >= 20% in 200-500 steps); 2 heads or the default 0.02 init left some seeds near 1% for 3000 steps.
+PRESETS = {"tiny": (64, 2, 4, 0.1), "small": (128, 2, 4, 0.02), "medium": (256, 4, 4, 0.02)}
 ARCHS = ("llama", "qwen2")
 MAX_POSITIONS = 512
 
@@ -54,7 +56,7 @@ def build_model(preset: str, tokenizer: PreTrainedTokenizerBase, arch: str = "ll
         raise UserError(f"unknown model preset '{preset}': use one of {', '.join(PRESETS)}")
     if arch not in ARCHS:
         raise UserError(f"unknown architecture '{arch}': use one of {', '.join(ARCHS)}")
-    hidden, layers, heads = PRESETS[preset]
+    hidden, layers, heads, init_range = PRESETS[preset]
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     config = config_cls(
         vocab_size=len(tokenizer),
@@ -65,6 +67,7 @@ def build_model(preset: str, tokenizer: PreTrainedTokenizerBase, arch: str = "ll
         num_key_value_heads=heads,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
+        initializer_range=init_range,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
