@@ -9,6 +9,7 @@ crash at any moment leaves a complete checkpoint behind.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from atrctl import io
+from atrctl.errors import UserError
 
 
 @dataclass
@@ -56,8 +58,12 @@ def save_checkpoint(directory: Path, model, optimizer, state: TrainState) -> Non
         save_file(_untie(weights), staging / "model.safetensors")
         torch.save(optimizer.state_dict(), staging / "optimizer.pt")
         io.write_text(staging / "state.json", json.dumps(asdict(state)) + "\n")
+        os.chmod(staging, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary result
         previous = directory.with_name(directory.name + ".old")
         if directory.exists():
+            # a complete checkpoint is in place, so an .old beside it is a leftover of a crash after the
+            # swap; it would block the rename below (a non-empty directory is never replaced)
+            shutil.rmtree(previous, ignore_errors=True)
             directory.rename(previous)
         staging.rename(directory)
         shutil.rmtree(previous, ignore_errors=True)
@@ -78,7 +84,12 @@ def find_checkpoint(directory: Path) -> Path | None:
 def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
     """Load weights and optimiser state in place; return the saved TrainState."""
     device = next(model.parameters()).device
-    model.load_state_dict(load_file(directory / "model.safetensors", device=str(device)), strict=False)
+    weights = load_file(directory / "model.safetensors", device=str(device))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:  # a checkpoint of another model: never resume from half of it
+        names = ", ".join((missing or unexpected)[:3])
+        raise UserError(f"checkpoint {directory} does not match the model ({'missing' if missing else 'unexpected'} "
+                        f"weights: {names}); resume with the recipe the run was started with")
     optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
     return TrainState(**json.loads((directory / "state.json").read_text()))
 

@@ -255,7 +255,7 @@ def train(
     """Train a policy with GRPO, ATR-GRPO or another registered loss."""
     import time as clock
 
-    from atrctl.config import load_recipe, recipe_from_dict
+    from atrctl.config import load_recipe, recipe_of_run
 
     _quiet_libraries()
     overrides = _train_overrides(algo, max_kl3, eps, eps_high, steps, seed, group_size, prompts, lr, device,
@@ -264,14 +264,8 @@ def train(
         if overrides or recipe is not None or name is not None or overwrite:
             raise UserError("--resume continues a run with its own recorded recipe: drop the other options")
         directory = resume
-        saved = directory / "config.toml"
-        if not saved.is_file():
-            raise UserError(f"--resume {directory}: no config.toml there; give a run directory such as results/<run>")
-        import tomllib
-
-        data = tomllib.loads(saved.read_text())
-        data.pop("environment", None)
-        config = recipe_from_dict(data)
+        config = recipe_of_run(directory)
+        results = directory.parent  # the run's own results folder holds its base
     else:
         config = load_recipe(recipe, overrides)
         stamp = clock.strftime("%Y%m%d-%H%M%S")
@@ -285,7 +279,12 @@ def train(
     try:
         summary = _train_with_display(config, directory, results, resume is not None)
     except KeyboardInterrupt:
-        stderr.print(f"interrupted: checkpoint saved; continue with  atrctl train --resume {directory}")
+        from atrctl.checkpoint import find_checkpoint
+
+        if find_checkpoint(directory / "checkpoint") is None:
+            stderr.print(f"interrupted before the first checkpoint: nothing to resume in {directory}")
+        else:
+            stderr.print(f"interrupted: checkpoint saved; continue with  atrctl train --resume {directory}")
         raise typer.Exit(130) from None
     except TrainingStopped as error:
         stderr.print(f"error: {error}", markup=False)

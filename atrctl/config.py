@@ -319,6 +319,16 @@ def _merge(base: dict[str, Any], keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
+def recipe_of_run(directory: str | Path) -> Recipe:
+    """The recipe a run recorded in its config.toml (its [environment] table is provenance, not settings)."""
+    saved = Path(directory) / "config.toml"
+    if not saved.is_file():
+        raise UserError(f"{directory} has no config.toml: give a run directory such as results/<run>")
+    data = tomllib.loads(saved.read_text(encoding="utf-8"))
+    data.pop("environment", None)
+    return recipe_from_dict(data)
+
+
 def load_recipe(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Recipe:
     """Defaults, then the TOML file (if any), then each `section.key=value` override, validated once."""
     data: dict[str, Any] = {}

@@ -14,6 +14,7 @@ import math
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -274,7 +275,9 @@ class _StopRequest:
         self.signal = None
 
     def __enter__(self):
-        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # elsewhere Python refuses handlers
+            self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def _handle(self, signum, frame):
@@ -292,18 +295,29 @@ def _metrics_path(directory: Path) -> Path:
 
 
 def _keep_metrics_until(directory: Path, step: int) -> None:
-    """On resume, drop logged steps after the checkpoint: they will be run again."""
+    """On resume, drop logged steps after the checkpoint: they will be run again.
+
+    A line cut short by a crash mid-write is dropped too: it was being logged after the checkpoint.
+    """
     path = _metrics_path(directory)
     if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        io.write_text(path, "".join(line + "\n" for line in lines))
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record["step"] <= step:
+                kept.append(line)
+        io.write_text(path, "".join(line + "\n" for line in kept))
 
 
 def prepare_directory(directory: Path, recipe: Recipe, resume: bool, overwrite: bool) -> None:
     """A new run gets a fresh directory; an existing one is refused unless resumed or overwritten on purpose."""
     if resume:
         if find_checkpoint(directory / "checkpoint") is None:
-            raise UserError(f"{directory} has no checkpoint to resume; start it anew without --resume")
+            raise UserError(f"{directory} has no checkpoint to resume; start it anew with the same --name "
+                            f"and --overwrite")
         return
     if directory.exists() and any(directory.iterdir()):
         if not overwrite:
@@ -330,6 +344,7 @@ def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), r
         restore_rng(state, run.sampler)
         _keep_metrics_until(directory, state.step)
     else:
+        directory.mkdir(parents=True, exist_ok=True)
         io.write_text(directory / "config.toml",
                       to_toml({**recipe_to_dict(recipe), "environment": environment(run.device)}))
     writer = _tensorboard(directory) if recipe.run.tensorboard else None
@@ -373,7 +388,7 @@ def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), r
                     f"the checkpoint in {checkpoint_dir} holds the last finite weights: lower optim.lr and resume")
             if state.step % recipe.run.checkpoint_every == 0 or state.step == recipe.run.steps:
                 checkpoint()
-            if stop.signal is not None:
+            if stop.signal is not None and state.step < recipe.run.steps:  # after the last step: just finish
                 checkpoint()
                 raise KeyboardInterrupt
     if writer is not None:

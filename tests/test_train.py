@@ -1,0 +1,406 @@
+"""The training loop: files a run writes, on-policy first pass, resume, interrupts, bad input, NaN steps.
+
+One tiny warmed-up base is built once for the module; every run then takes a fraction of a second
+on CPU.  An entropy bonus makes every update move the weights even when a step's rewards carry no
+signal, so the tests do not depend on how good the tiny base happens to be.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from atrctl import train as train_module
+from atrctl.bases import ensure_base
+from atrctl.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
+from atrctl.cli import main
+from atrctl.config import load_recipe, recipe_from_dict
+from atrctl.errors import UserError
+from atrctl.losses import LossOutput
+from atrctl.train import TrainingStopped, lr_at, prepare_directory, prompts_for_step, train
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
+        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10",
+        "rollout.prompts=4", "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "eval.every=2",
+        "run.steps=4", "algo.entropy_coef=0.01", "optim.lr=1e-3"]
+
+METRICS = ("reward/mean", "reward/std", "frac_zero_std", "len/mean", "clip/low", "clip/high", "clip/region",
+           "kl3/mean", "kl3/max", "ratio/min", "ratio/max", "entropy", "loss", "grad_norm", "lr", "time/rollout",
+           "time/update", "tokens_per_s")
+TIMING = ("time/rollout", "time/update", "tokens_per_s", "train_seconds_this_session")
+
+
+def recipe(*overrides):
+    return load_recipe(None, [*FAST, *overrides])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One CPU thread: as fast for a model this small, and immune to a busy machine's oversubscription."""
+    previous, threads = os.environ.get("ATRCTL_THREADS"), torch.get_num_threads()
+    os.environ["ATRCTL_THREADS"] = "1"
+    yield
+    if previous is None:
+        del os.environ["ATRCTL_THREADS"]
+    else:
+        os.environ["ATRCTL_THREADS"] = previous
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """A results folder holding the one warm base every run of this module starts from."""
+    folder = tmp_path_factory.mktemp("results")
+    ensure_base(recipe(), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base_weights(results):
+    path, _ = ensure_base(recipe(), results)
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def start(results, name, *overrides, **kwargs):
+    """A fresh run `name` in `results`: (summary, directory)."""
+    directory = results / name
+    config = recipe(*overrides)
+    prepare_directory(directory, config, resume=False, overwrite=False)
+    return train(config, directory, results=results, **kwargs), directory
+
+
+def records(directory):
+    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+
+
+def saved_recipe(directory):
+    data = tomllib.loads((directory / "config.toml").read_text())
+    data.pop("environment")
+    return recipe_from_dict(data)
+
+
+def without_timing(record):
+    return {key: value for key, value in record.items() if key not in TIMING}
+
+
+@pytest.fixture(scope="module")
+def short_run(results):
+    return start(results, "short")
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_lr_constant_with_linear_warmup():
+    assert [lr_at(s, 1.0, "constant", 0, 10) for s in range(10)] == [1.0] * 10
+    ramp = [lr_at(s, 2.0, "constant", 4, 10) for s in range(10)]
+    assert ramp[:4] == [0.5, 1.0, 1.5, 2.0] and ramp[4:] == [2.0] * 6
+
+
+def test_lr_cosine_decays_to_ten_percent():
+    lrs = [lr_at(s, 1.0, "cosine", 2, 12) for s in range(14)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]  # warm-up, then the peak where the decay starts
+    assert all(a > b for a, b in zip(lrs[2:12], lrs[3:13], strict=True))  # strictly down to the end
+    assert lrs[12] == pytest.approx(0.1) and lrs[13] == pytest.approx(0.1)  # 10% at the end, and it stays
+    assert min(lrs) == pytest.approx(0.1)
+    assert lr_at(7, 1.0, "cosine", 2, 12) == pytest.approx(0.55)  # half-way: the mean of 1 and 0.1
+
+
+def test_prompts_for_step_covers_the_pool_once_per_epoch():
+    pool, prompts = 10, 4
+    order = [i for step in range(10) for i in prompts_for_step(pool, step, prompts, seed=3)]
+    epochs = [order[e * pool : (e + 1) * pool] for e in range(4)]
+    assert all(sorted(epoch) == list(range(pool)) for epoch in epochs)  # every prompt once, no repeats
+    assert len({tuple(epoch) for epoch in epochs}) == 4  # each epoch its own shuffle
+    assert epochs[0] != list(range(pool))
+    # a pure function of (seed, step): the same again, and independent of how it is batched
+    assert prompts_for_step(pool, 7, prompts, seed=3) == order[28:32]
+    assert [i for step in range(40) for i in prompts_for_step(pool, step, 1, seed=3)] == order
+    assert prompts_for_step(pool, 0, pool, seed=4) != prompts_for_step(pool, 0, pool, seed=3)
+
+
+# ------------------------------------------------------------------ a short run
+
+
+def test_short_run_writes_every_file(short_run, base_weights):
+    summary, directory = short_run
+    assert saved_recipe(directory) == recipe()  # the fully resolved recipe reads back
+    environment = tomllib.loads((directory / "config.toml").read_text())["environment"]
+    assert {"atrctl", "git_commit", "torch", "transformers", "device"} <= set(environment)
+
+    logged = records(directory)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    for record in logged:
+        assert set(METRICS) <= set(record), set(METRICS) - set(record)
+        assert all(math.isfinite(record[key]) for key in METRICS)
+        assert record["lr"] == 1e-3 and record["skipped_steps"] == 0
+        assert 0 <= record["reward/mean"] <= 1 and record["len/mean"] > 0 and record["entropy"] > 0
+    assert ["eval/greedy" in r for r in logged] == [False, True, False, True]
+
+    checkpoint = directory / "checkpoint"
+    assert {p.name for p in checkpoint.iterdir()} == {"model.safetensors", "optimizer.pt", "state.json"}
+    assert json.loads((checkpoint / "state.json").read_text())["step"] == 4
+    model = AutoModelForCausalLM.from_pretrained(directory / "model")
+    final = model.state_dict()
+    saved = load_file(checkpoint / "model.safetensors")
+    assert all(torch.equal(final[name], saved[name]) for name in final)  # the final model is the last state
+    assert any(not torch.equal(final[name], base_weights[name]) for name in final)  # and training moved it
+
+    written = json.loads((directory / "summary.json").read_text())
+    assert written == summary
+    assert set(summary["base"]) == set(summary["final"]) == {"eval/greedy", "eval/pass@1"}
+    assert summary["final"] == {k: v for k, v in logged[-1].items() if k.startswith("eval/")}
+    assert summary["steps"] == 4 and summary["skipped_steps"] == 0 and summary["algo"] == "atr"
+    leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".") or p.name.endswith(".old")]
+    assert leftovers == []  # no staging or temporary files
+
+
+def test_first_pass_is_on_policy(short_run):
+    for record in records(short_run[1]):
+        assert record["kl3/mean"] == record["kl3/max"] == 0.0
+        assert record["clip/low"] == record["clip/high"] == record["clip/region"] == 0.0
+        assert record["ratio/min"] == record["ratio/max"] == 1.0
+
+
+def test_second_pass_moves_the_ratio(results, monkeypatch):
+    passes = []
+
+    def spy(*args, **kwargs):
+        out = policy_loss(*args, **kwargs)
+        if args[0].requires_grad:  # not the recipe check
+            passes.append(out.metrics)
+        return out
+
+    policy_loss = train_module.policy_loss
+    monkeypatch.setattr(train_module, "policy_loss", spy)
+    _, directory = start(results, "two-passes", "algo.num_iterations=2", "run.steps=3")
+    assert len(passes) == 6
+    for first, second in zip(passes[::2], passes[1::2], strict=True):
+        assert first["kl3/max"] == 0.0 and first["ratio/min"] == first["ratio/max"] == 1.0  # fresh rollout
+        # the first pass's update moved the policy: some ratio is off 1 (which way depends on the batch)
+        assert second["kl3/max"] > 0.0 and (second["ratio/min"] < 1.0 or second["ratio/max"] > 1.0)
+    for record in records(directory):
+        assert record["kl3/max"] > 0.0 and record["kl3/mean"] > 0.0
+        assert record["ratio/min"] < 1.0 or record["ratio/max"] > 1.0
+
+
+# ------------------------------------------------------------------ interrupt and resume
+
+
+def interrupt_at(step):
+    def on_step(record):
+        if record["step"] == step:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does
+
+    return on_step
+
+
+def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(results, base_weights):
+    steps = ["run.steps=6", "eval.every=2", "run.checkpoint_every=100"]
+    whole, straight = start(results, "straight", *steps)
+
+    with pytest.raises(KeyboardInterrupt):
+        start(results, "resumed", *steps, on_step=interrupt_at(3))
+    directory = results / "resumed"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    checkpoint = find_checkpoint(directory / "checkpoint")
+    assert json.loads((checkpoint / "state.json").read_text())["step"] == 3
+    assert [r["step"] for r in records(directory)] == [1, 2, 3]
+    assert not (directory / "model").exists()
+
+    # the checkpoint loads into a fresh model and optimiser
+    model = AutoModelForCausalLM.from_pretrained(ensure_base(recipe(), results)[0])
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = load_checkpoint(checkpoint, model, optimizer)
+    assert state.step == 3 and state.skipped_steps == 0
+    saved = load_file(checkpoint / "model.safetensors")
+    assert set(saved) == set(model.state_dict())
+    assert all(torch.equal(model.state_dict()[name], saved[name]) for name in saved)
+    assert any(not torch.equal(saved[name], base_weights[name]) for name in saved)
+    assert len(optimizer.state) == len(list(model.parameters()))
+
+    resumed = train(saved_recipe(directory), directory, results=results, resume=True)
+    a, b = records(straight), records(directory)
+    assert [r["step"] for r in b] == list(range(1, 7))
+    for left, right in zip(a, b, strict=True):
+        assert without_timing(left) == without_timing(right)
+    assert without_timing(resumed) == without_timing(whole)
+    final_a = AutoModelForCausalLM.from_pretrained(straight / "model").state_dict()
+    final_b = AutoModelForCausalLM.from_pretrained(directory / "model").state_dict()
+    assert all(torch.equal(final_a[name], final_b[name]) for name in final_a)
+
+
+def test_sigterm_also_checkpoints(results):
+    def on_step(record):
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        start(results, "terminated", "run.steps=5", on_step=on_step)
+    assert signal.getsignal(signal.SIGTERM) == previous
+    state = json.loads((results / "terminated" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 2
+
+
+def test_resume_drops_steps_logged_after_the_checkpoint(results):
+    steps = ["run.steps=5", "run.checkpoint_every=2", "eval.every=100"]
+    _, straight = start(results, "drop-straight", *steps)
+    directory = results / "drop"
+
+    def crash(record):
+        if record["step"] == 3:
+            raise RuntimeError("power cut")  # after step 3 is logged, before it is checkpointed
+
+    with pytest.raises(RuntimeError):
+        start(results, "drop", *steps, on_step=crash)
+    assert [r["step"] for r in records(directory)] == [1, 2, 3]
+    with open(directory / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 4, "reward/me')  # and a line cut short by the crash
+    assert json.loads((directory / "checkpoint" / "state.json").read_text())["step"] == 2
+    train(saved_recipe(directory), directory, results=results, resume=True)
+    assert [without_timing(r) for r in records(directory)] == [without_timing(r) for r in records(straight)]
+
+
+def test_interrupt_during_the_last_step_still_finishes(results):
+    summary, directory = start(results, "last", "run.steps=3", on_step=interrupt_at(3))
+    assert summary["steps"] == 3 and (directory / "model").is_dir()
+    assert json.loads((directory / "checkpoint" / "state.json").read_text())["step"] == 3
+
+
+def test_checkpoint_swap_recovers_from_a_crash_at_any_point(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    directory, old = tmp_path / "checkpoint", tmp_path / "checkpoint.old"
+    save_checkpoint(directory, model, optimizer, TrainState(step=1))
+
+    shutil.copytree(directory, old)  # crash after the swap, before the old one was removed
+    save_checkpoint(directory, model, optimizer, TrainState(step=2))
+    assert not old.exists() and find_checkpoint(directory) == directory
+    assert oct(directory.stat().st_mode & 0o777) == "0o755"
+
+    directory.rename(old)  # crash between the two renames: the old one is what there is
+    assert find_checkpoint(directory) == old
+    assert load_checkpoint(old, model, optimizer).step == 2
+    save_checkpoint(directory, model, optimizer, TrainState(step=3))
+    assert not old.exists() and load_checkpoint(directory, model, optimizer).step == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]  # no staging left behind
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    save_checkpoint(tmp_path / "checkpoint", model, torch.optim.AdamW(model.parameters()), TrainState(step=1))
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with pytest.raises(UserError, match="does not match the model"):
+        load_checkpoint(tmp_path / "checkpoint", other, torch.optim.AdamW(other.parameters()))
+
+
+# ------------------------------------------------------------------ non-finite steps
+
+
+def poison(monkeypatch, bad_steps):
+    """Make the loss NaN on the given (1-based) steps of an on-policy run."""
+    calls = []
+    policy_loss = train_module.policy_loss
+
+    def patched(*args, **kwargs):
+        out = policy_loss(*args, **kwargs)
+        if not args[0].requires_grad:  # the recipe check before any work
+            return out
+        calls.append(1)
+        return LossOutput(out.loss * math.nan, out.metrics) if len(calls) in bad_steps else out
+
+    monkeypatch.setattr(train_module, "policy_loss", patched)
+
+
+def test_a_nan_step_is_skipped_and_counted(results, monkeypatch):
+    poison(monkeypatch, {2, 4})
+    summary, directory = start(results, "nan-some", "run.steps=5", "run.max_bad_steps=2")
+    logged = records(directory)
+    assert [r["skipped_steps"] for r in logged] == [0, 1, 1, 2, 2]
+    assert all(set(METRICS) <= set(r) for r in (logged[0], logged[2], logged[4]))
+    assert all(math.isfinite(r["reward/mean"]) for r in logged)  # the rollout of a skipped step is logged
+    assert summary["steps"] == 5 and summary["skipped_steps"] == 2
+    weights = AutoModelForCausalLM.from_pretrained(directory / "model").state_dict()
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_consecutive_nan_steps_stop_the_run_with_a_valid_checkpoint(results, monkeypatch, base_weights):
+    poison(monkeypatch, {2, 3, 4, 5})
+    with pytest.raises(TrainingStopped, match="3 consecutive steps"):
+        start(results, "nan-stop", "run.steps=6", "run.max_bad_steps=3", "run.checkpoint_every=100")
+    directory = results / "nan-stop"
+    state = json.loads((directory / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 4 and state["bad_steps"] == 3 and state["skipped_steps"] == 3
+    assert [r["step"] for r in records(directory)] == [1, 2, 3, 4]
+    saved = load_file(directory / "checkpoint" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in saved.values())
+    # only step 1 updated the weights: they are those after step 1 of an identical healthy run
+    monkeypatch.undo()
+    _, healthy = start(results, "nan-healthy", "run.steps=1", "run.max_bad_steps=3")
+    after_one = load_file(healthy / "checkpoint" / "model.safetensors")
+    assert all(torch.equal(saved[name], after_one[name]) for name in saved)
+    assert any(not torch.equal(saved[name], base_weights[name]) for name in saved)
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+def cli(results, *args):
+    """`atrctl train` on the FAST recipe; the common flags are given as flags (a later one wins)."""
+    flagged = ("run.steps=", "optim.lr=", "rollout.group_size=", "rollout.prompts=")  # --set would override them
+    sets = [flag for item in FAST if not item.startswith(flagged) for flag in ("--set", item)]
+    return main(["train", "--results", str(results), *sets, "--prompts", "4", "--group-size", "4", "--steps", "2",
+                 *args])
+
+
+@pytest.mark.parametrize("bad", [
+    ["--set", "rollout.promts=4"],  # unknown key
+    ["--set", "optim.lr=fast"],  # wrong type
+    ["--lr", "-1e-4"],  # negative learning rate
+    ["--group-size", "1"],  # no baseline
+    ["--algo", "ppo"],  # unknown loss
+    ["--set", "algo.args.eps=0.2"],  # atr takes max_kl3, not eps
+    ["--set", "algo.minibatches=3"],  # 4 prompts do not split into 3 whole mini-batches
+    ["--set", "task.args.carry=1"],  # caught only once the run is being set up
+])
+def test_bad_recipe_exits_2_and_leaves_no_run_directory(results, capsys, bad):
+    before = sorted(p.name for p in results.iterdir())
+    assert cli(results, "--name", "bad", *bad) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    assert not (results / "bad").exists()
+    assert sorted(p.name for p in results.iterdir()) == before
+
+
+def test_existing_run_is_refused_unless_resumed_or_overwritten(results, capsys):
+    directory = results / "taken"
+    assert cli(results, "--name", "taken") == 0
+    snapshot = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()}
+    capsys.readouterr()
+
+    assert cli(results, "--name", "taken", "--steps", "3") == 2
+    err = capsys.readouterr().err.strip()
+    assert "--resume" in err and "--overwrite" in err and "\n" not in err
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()} == snapshot
+
+    assert main(["train", "--resume", str(directory), "--name", "taken"]) == 2  # resume takes no recipe options
+    assert main(["train", "--resume", str(directory), "--results", str(results)]) == 0  # already finished
+    assert [r["step"] for r in records(directory)] == [1, 2]
+
+    assert cli(results, "--name", "taken", "--steps", "3", "--overwrite") == 0
+    assert [r["step"] for r in records(directory)] == [1, 2, 3]
+    assert saved_recipe(directory).run.steps == 3
+    assert json.loads((directory / "summary.json").read_text())["steps"] == 3
