@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -24,12 +25,22 @@ from atrctl.models import CHAR_ALPHABET, PRESETS
 BASE_FORMAT = 1  # bump when the warm-up procedure changes what a key produces
 
 
+def resolved_task_args(name: str, args: dict) -> dict:
+    """The task's parameters with its defaults filled in, so {} and {digits = 3} name the same base."""
+    from atrctl.tasks import TASKS
+
+    signature = inspect.signature(TASKS[name]) if name in TASKS else None
+    defaults = {key: p.default for key, p in signature.parameters.items()
+                if p.default is not inspect.Parameter.empty} if signature else {}
+    return {**defaults, **args}
+
+
 def base_identity(recipe: Recipe) -> dict:
     """Everything that determines a warmed-up preset (device and dtype are deliberately not part of it)."""
     return {
         "format": BASE_FORMAT,
         "task": recipe.task.name,
-        "task_args": recipe.task.args,
+        "task_args": resolved_task_args(recipe.task.name, recipe.task.args),
         "preset": recipe.model.base,
         "preset_shape": PRESETS[recipe.model.base],
         "arch": recipe.model.arch,

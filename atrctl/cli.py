@@ -271,13 +271,12 @@ def train(
         stamp = clock.strftime("%Y%m%d-%H%M%S")
         directory = results / (name or f"{config.algo.loss}-{config.task.name}-s{config.run.seed}-{stamp}")
 
-    from atrctl.train import TrainingStopped, prepare_directory, train_run_directory_cleanup, validate_algo
+    from atrctl.train import TrainingStopped, check_run_directory, validate_algo
 
     validate_algo(config)
-    created = not directory.exists()
-    prepare_directory(directory, config, resume is not None, overwrite)
+    check_run_directory(directory, resume is not None, overwrite)
     try:
-        summary = _train_with_display(config, directory, results, resume is not None)
+        summary = _train_with_display(config, directory, results, resume is not None, overwrite)
     except KeyboardInterrupt:
         from atrctl.checkpoint import find_checkpoint
 
@@ -289,16 +288,12 @@ def train(
     except TrainingStopped as error:
         stderr.print(f"error: {error}", markup=False)
         raise typer.Exit(1) from None
-    except UserError:
-        if created:
-            train_run_directory_cleanup(directory)
-        raise
     base, final = summary["base"], summary["final"]
     console.print(f"done: {directory}  held-out greedy {base['eval/greedy']:.1%} → {final['eval/greedy']:.1%}, "
                   f"sampled pass@1 {base['eval/pass@1']:.1%} → {final['eval/pass@1']:.1%}")
 
 
-def _train_with_display(config, directory: Path, results: Path, resume: bool) -> dict:
+def _train_with_display(config, directory: Path, results: Path, resume: bool, overwrite: bool) -> dict:
     """Run training under a rich live bar: step, reward, clip fractions, kl3, entropy, tokens/s, ETA."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -326,7 +321,8 @@ def _train_with_display(config, directory: Path, results: Path, resume: bool) ->
                 status += f"  eval greedy {record['eval/greedy']:.1%} pass@1 {record['eval/pass@1']:.1%}"
             progress.update(bar, completed=record["step"], status=status)
 
-        return run_training(config, directory, results=results, resume=resume, on_step=on_step, on_warmup=on_warmup)
+        return run_training(config, directory, results=results, resume=resume, overwrite=overwrite,
+                            on_step=on_step, on_warmup=on_warmup)
 
 
 @app.command("eval", **_PENDING)

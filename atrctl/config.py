@@ -102,9 +102,10 @@ class AlgoConfig:
     agg: str = "token-mean"
     """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)."""
     num_iterations: int = 1
-    """Passes (μ) over each rollout batch; 1 = strictly on-policy, the ratio is 1 throughout."""
-    minibatches: int = 1
-    """Optimiser steps per pass: the batch is split into this many mini-batches of whole groups."""
+    """Passes (μ) over each rollout batch; with μ = 1 and one mini-batch the ratio is 1 throughout."""
+    minibatches: int = 4
+    """Optimiser steps per pass: the batch is split into this many mini-batches of whole groups.
+    All but the first are off-policy (w != 1), which is where the trust region binds."""
     beta: float = 0.0
     """KL-to-reference coefficient; 0 loads no reference model."""
     kl_estimator: str = "k3"
@@ -149,8 +150,8 @@ class EvalConfig:
 class RunConfig:
     """Length, seed and bookkeeping of one training run."""
 
-    steps: int = 200
-    """Optimiser steps of RL (one rollout batch each)."""
+    steps: int = 300
+    """RL steps (one rollout batch each, `minibatches × num_iterations` optimiser steps per RL step)."""
     seed: int = 0
     """Seed of prompt order and sampling (the base has its own, warmup.seed)."""
     checkpoint_every: int = 50

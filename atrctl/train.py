@@ -312,30 +312,26 @@ def _keep_metrics_until(directory: Path, step: int) -> None:
         io.write_text(path, "".join(line + "\n" for line in kept))
 
 
-def prepare_directory(directory: Path, recipe: Recipe, resume: bool, overwrite: bool) -> None:
-    """A new run gets a fresh directory; an existing one is refused unless resumed or overwritten on purpose."""
+def check_run_directory(directory: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber a run: an existing directory needs --resume (continue) or --overwrite (replace)."""
     if resume:
         if find_checkpoint(directory / "checkpoint") is None:
             raise UserError(f"{directory} has no checkpoint to resume; start it anew with the same --name "
                             f"and --overwrite")
-        return
-    if directory.exists() and any(directory.iterdir()):
-        if not overwrite:
-            raise UserError(f"run directory {directory} already exists; pick another --name, "
-                            f"or pass --resume to continue it or --overwrite to replace it")
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-
-
-def train_run_directory_cleanup(directory: Path) -> None:
-    """Remove a run directory this invocation created, when bad input stopped it before any result."""
-    shutil.rmtree(directory, ignore_errors=True)
+    elif directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise UserError(f"run directory {directory} already exists; pick another --name, "
+                        f"or pass --resume to continue it or --overwrite to replace it")
 
 
 def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), resume: bool = False,
-          on_step: Callable[[dict[str, float]], None] | None = None,
+          overwrite: bool = False, on_step: Callable[[dict[str, float]], None] | None = None,
           on_warmup: Callable[[int, float, float | None], None] | None = None) -> dict:
-    """Run (or resume) a training run in `directory`; returns the summary written to summary.json."""
+    """Run (or resume) a training run in `directory`; returns the summary written to summary.json.
+
+    Everything that can fail on bad input (recipe, task, data, model) is set up before the run
+    directory is touched, so a mistake never costs an existing run.
+    """
+    check_run_directory(directory, resume, overwrite)
     run = build_run(recipe, directory, results, on_warmup)
     state = TrainState()
     checkpoint_dir = directory / "checkpoint"
@@ -344,7 +340,8 @@ def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), r
         restore_rng(state, run.sampler)
         _keep_metrics_until(directory, state.step)
     else:
-        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)  # only an approved --overwrite gets here with files
+        directory.mkdir(parents=True)
         io.write_text(directory / "config.toml",
                       to_toml({**recipe_to_dict(recipe), "environment": environment(run.device)}))
     writer = _tensorboard(directory) if recipe.run.tensorboard else None

@@ -11,7 +11,8 @@ def test_shipped_default_recipe_is_the_default():
     assert recipe.task.name == "arith" and recipe.task.args == {"digits": 3, "ops": "+"}
     assert recipe.model.base == "tiny" and recipe.warmup.target_accuracy == 0.2
     defaults = Recipe()
-    assert (recipe.model, recipe.warmup) == (defaults.model, defaults.warmup)
+    for section in ("model", "warmup", "rollout", "algo", "optim", "eval", "run"):
+        assert getattr(recipe, section) == getattr(defaults, section), section
 
 
 def test_overrides_apply_in_order_and_read_toml_values():

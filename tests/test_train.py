@@ -24,7 +24,7 @@ from atrctl.cli import main
 from atrctl.config import load_recipe, recipe_from_dict
 from atrctl.errors import UserError
 from atrctl.losses import LossOutput
-from atrctl.train import TrainingStopped, lr_at, prepare_directory, prompts_for_step, train
+from atrctl.train import TrainingStopped, lr_at, prompts_for_step, train
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,7 +34,7 @@ else:  # pragma: no cover - Python 3.10
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
         "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10",
         "rollout.prompts=4", "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "eval.every=2",
-        "run.steps=4", "algo.entropy_coef=0.01", "optim.lr=1e-3"]
+        "run.steps=4", "algo.minibatches=1", "algo.entropy_coef=0.01", "optim.lr=1e-3"]
 
 METRICS = ("reward/mean", "reward/std", "frac_zero_std", "len/mean", "clip/low", "clip/high", "clip/region",
            "kl3/mean", "kl3/max", "ratio/min", "ratio/max", "entropy", "loss", "grad_norm", "lr", "time/rollout",
@@ -76,9 +76,7 @@ def base_weights(results):
 def start(results, name, *overrides, **kwargs):
     """A fresh run `name` in `results`: (summary, directory)."""
     directory = results / name
-    config = recipe(*overrides)
-    prepare_directory(directory, config, resume=False, overwrite=False)
-    return train(config, directory, results=results, **kwargs), directory
+    return train(recipe(*overrides), directory, results=results, **kwargs), directory
 
 
 def records(directory):
@@ -394,6 +392,10 @@ def test_existing_run_is_refused_unless_resumed_or_overwritten(results, capsys):
     assert cli(results, "--name", "taken", "--steps", "3") == 2
     err = capsys.readouterr().err.strip()
     assert "--resume" in err and "--overwrite" in err and "\n" not in err
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()} == snapshot
+
+    # an --overwrite that fails on bad input costs nothing: the old run is removed only once the new one is set up
+    assert cli(results, "--name", "taken", "--overwrite", "--set", "task.args.carry=1") == 2
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()} == snapshot
 
     assert main(["train", "--resume", str(directory), "--name", "taken"]) == 2  # resume takes no recipe options

@@ -49,6 +49,13 @@ def test_base_is_built_once_and_reused(tmp_path, monkeypatch):
     assert bases.base_key(other) != bases.base_key(recipe)
 
 
+def test_default_task_arguments_name_the_same_base():
+    implicit = load_recipe(None, [])  # task.args = {}: the task's own defaults
+    explicit = load_recipe(None, ["task.args.digits=3", 'task.args.ops="+"'])
+    assert bases.base_key(implicit) == bases.base_key(explicit)
+    assert bases.base_key(load_recipe(None, ["task.args.digits=2"])) != bases.base_key(implicit)
+
+
 def test_warmup_is_deterministic(tmp_path):
     recipe = load_recipe("recipes/default.toml", FAST)
     first, _ = bases.ensure_base(recipe, tmp_path / "a")
