@@ -224,7 +224,7 @@ def _train_overrides(algo, max_kl3, eps, eps_high, steps, seed, group_size, prom
     loss = algo
     pairs = [("algo.loss", algo), ("run.steps", steps), ("run.seed", seed), ("rollout.group_size", group_size),
              ("rollout.prompts", prompts), ("optim.lr", lr), ("model.device", device),
-             ("run.tensorboard", True if tensorboard else None), ("algo.args.max_kl3", max_kl3),
+             ("run.tensorboard", "true" if tensorboard else None), ("algo.args.max_kl3", max_kl3),
              ("algo.args.eps" if loss in (None, "grpo") else "algo.args.eps_low", eps),
              ("algo.args.eps_high", eps_high)]
     return [f"{key}={value}" for key, value in pairs if value is not None]
@@ -302,24 +302,23 @@ def _train_with_display(config, directory: Path, results: Path, resume: bool, ov
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        bar = progress.add_task("warm-up", total=config.warmup.max_steps, status="")
+        bars: dict[str, int] = {}  # created when that phase starts: a cached base shows no warm-up bar
 
         def on_warmup(step: int, loss: float, accuracy: float | None) -> None:
+            if "warmup" not in bars:
+                bars["warmup"] = progress.add_task("warm-up", total=config.warmup.max_steps, status="")
             status = f"loss {loss:.3f}" + (f"  held-out greedy {accuracy:.1%}" if accuracy is not None else "")
-            progress.update(bar, completed=step, status=status)
-
-        started = {"train": False}
+            progress.update(bars["warmup"], completed=step, status=status)
 
         def on_step(record: dict) -> None:
-            if not started["train"]:
-                progress.reset(bar, total=config.run.steps, description=f"train {config.algo.loss}")
-                started["train"] = True
+            if "train" not in bars:
+                bars["train"] = progress.add_task(f"train {config.algo.loss}", total=config.run.steps, status="")
             status = (f"reward {record['reward/mean']:.3f}  clip low {record.get('clip/low', 0):.3f} "
                       f"high {record.get('clip/high', 0):.3f}  kl3 {record.get('kl3/mean', 0):.2e}  "
                       f"entropy {record.get('entropy', 0):.3f}  {record['tokens_per_s']:.0f} tok/s")
             if "eval/greedy" in record:
                 status += f"  eval greedy {record['eval/greedy']:.1%} pass@1 {record['eval/pass@1']:.1%}"
-            progress.update(bar, completed=record["step"], status=status)
+            progress.update(bars["train"], completed=record["step"], status=status)
 
         return run_training(config, directory, results=results, resume=resume, overwrite=overwrite,
                             on_step=on_step, on_warmup=on_warmup)

@@ -332,6 +332,7 @@ def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), r
     directory is touched, so a mistake never costs an existing run.
     """
     check_run_directory(directory, resume, overwrite)
+    summary_writer = _tensorboard_writer() if recipe.run.tensorboard else None
     run = build_run(recipe, directory, results, on_warmup)
     state = TrainState()
     checkpoint_dir = directory / "checkpoint"
@@ -344,7 +345,7 @@ def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), r
         directory.mkdir(parents=True)
         io.write_text(directory / "config.toml",
                       to_toml({**recipe_to_dict(recipe), "environment": environment(run.device)}))
-    writer = _tensorboard(directory) if recipe.run.tensorboard else None
+    writer = summary_writer(str(directory / "tensorboard")) if summary_writer else None
 
     def checkpoint() -> None:
         capture_rng(state, run.sampler)
@@ -421,9 +422,10 @@ def _load_summary(directory: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _tensorboard(directory: Path):
+def _tensorboard_writer():
+    """TensorBoard's SummaryWriter class, checked before any file is written."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-    return SummaryWriter(str(directory / "tensorboard"))
+    return SummaryWriter

@@ -406,3 +406,34 @@ def test_existing_run_is_refused_unless_resumed_or_overwritten(results, capsys):
     assert [r["step"] for r in records(directory)] == [1, 2, 3]
     assert saved_recipe(directory).run.steps == 3
     assert json.loads((directory / "summary.json").read_text())["steps"] == 3
+
+
+def test_reference_model_only_with_beta(results):
+    _, directory = start(results, "no-reference", "run.steps=1")
+    assert "kl/ref" not in records(directory)[0]
+    _, directory = start(results, "with-reference", "run.steps=2", "algo.beta=0.1")
+    kl = [record["kl/ref"] for record in records(directory)]
+    assert all(math.isfinite(value) and value >= 0 for value in kl) and kl[-1] > 0
+
+
+def test_tensorboard_events_are_written(results):
+    pytest.importorskip("tensorboard")
+    _, directory = start(results, "tensorboard", "run.steps=2", "run.tensorboard=true")
+    events = list((directory / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+
+
+def test_missing_tensorboard_is_one_line_and_writes_nothing(results, capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    assert cli(results, "--name", "no-tb", "--tensorboard") == 2
+    assert "pip install tensorboard" in capsys.readouterr().err
+    assert not (results / "no-tb").exists()
