@@ -105,8 +105,11 @@ def plot_bounds(
     fmt: Annotated[FigureFormat | None, typer.Option("--format", help="Figure format.")] = None,
 ) -> None:
     """Show the ratio interval each divergence constraint implies: table, CSV and figure."""
+    from atrctl.divergence import MAX_KL3
+
     for delta in max_kl3:
-        _positive(delta, "--max-kl3")
+        if _positive(delta, "--max-kl3") > MAX_KL3:
+            raise UserError(f"--max-kl3 must be at most {MAX_KL3:g} (got {delta}); typical values are 0.01-0.2")
     _unit_open(eps, "--eps")
     _positive(eps_high, "--eps-high")
     figure_path = _figure_path(out, fmt, max_kl3)

@@ -64,11 +64,21 @@ MEASURES: dict[str, Callable] = {
 # ------------------------------------------------------------------- the bounds
 
 
+def _as_float(value, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
 def _check_level(delta: float, name: str = "delta") -> float:
-    delta = float(delta)
+    delta = _as_float(delta, name)
     if not (math.isfinite(delta) and delta > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {delta}")
     return delta
+
+
+MAX_KL3 = 700.0  # beyond it the lower bound e^(-1-delta) underflows float64
 
 
 def kl3_bounds(delta: float) -> tuple[float, float]:
@@ -80,6 +90,8 @@ def kl3_bounds(delta: float) -> tuple[float, float]:
     conditioned on both sides) until w - 1 - ln w = delta to rounding.
     """
     delta = _check_level(delta, "max_kl3")
+    if delta > MAX_KL3:
+        raise ValueError(f"max_kl3 must be <= {MAX_KL3:g} (its lower bound underflows), got {delta}")
     z = -math.exp(-1.0 - delta)
     low = -lambertw(z, 0).real
     high = -lambertw(z, -1).real
@@ -139,14 +151,14 @@ def bounds_for(divergence: Callable | str, delta: float) -> tuple[float, float]:
 
 
 def _check_eps(eps: float, name: str) -> float:
-    eps = float(eps)
+    eps = _as_float(eps, name)
     if not (math.isfinite(eps) and 0 < eps < 1):
         raise ValueError(f"{name} must be in (0, 1), got {eps}")
     return eps
 
 
 def _check_eps_high(eps: float, name: str) -> float:
-    eps = float(eps)
+    eps = _as_float(eps, name)
     if not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {eps}")
     return eps

@@ -57,6 +57,7 @@ def test_default_path_and_several_levels(tmp_path, monkeypatch):
         (["--max-kl3", "nan"], "--max-kl3"),
         (["--max-kl3", "inf"], "--max-kl3"),
         (["--max-kl3", "abc"], "--max-kl3"),
+        (["--max-kl3", "1000"], "--max-kl3"),
         (["--eps", "1"], "--eps"),
         (["--eps", "1.5"], "--eps"),
         (["--eps", "0"], "--eps"),

@@ -111,3 +111,8 @@ def test_bad_names_and_parameters_are_rejected():
         dv.trust_region("grpo", eps=1.0)
     with pytest.raises(ValueError, match="unknown measure"):
         dv.trust_region("divergence", measure="js", delta=0.1)
+    with pytest.raises(ValueError, match="eps must be a number, got None"):
+        dv.trust_region("grpo", eps=None)
+    with pytest.raises(ValueError, match="max_kl3 must be <= 700"):
+        dv.kl3_bounds(800)
+    assert dv.kl3_bounds(700)[0] > 0
