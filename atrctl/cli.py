@@ -10,7 +10,7 @@ import math
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 from rich.console import Console
@@ -100,7 +100,7 @@ def plot_bounds(
     eps: Annotated[float, typer.Option(help="GRPO clip ε (and DAPO's ε_low), in (0, 1).")] = 0.2,
     eps_high: Annotated[float, typer.Option(help="DAPO's clip-higher ε_high, > 0.")] = 0.28,
     out: Annotated[
-        Path | None, typer.Option(help="Figure path [default: results/bounds/bounds-kl3-<δ>.png]; CSV beside it.")
+        Path | None, typer.Option(help="Figure path \\[default: results/bounds/bounds-kl3-<δ>.png]; CSV beside it.")
     ] = None,
     fmt: Annotated[FigureFormat | None, typer.Option("--format", help="Figure format.")] = None,
 ) -> None:
@@ -171,7 +171,7 @@ def _quiet_libraries() -> None:
     logging.set_verbosity_error()
 
 
-RecipeOption = Annotated[Path | None, typer.Option("--recipe", help="TOML recipe [default: built-in defaults].")]
+RecipeOption = Annotated[Path | None, typer.Option("--recipe", help="TOML recipe \\[default: built-in defaults].")]
 SetOption = Annotated[
     list[str] | None, typer.Option("--set", help="Override any recipe key: section.key=value (repeatable).")
 ]
@@ -213,22 +213,15 @@ def warmup(
                   f"after {info['steps']} steps in {info['seconds']:.1f} s  →  {path}")
 
 
-# ------------------------------------------------- commands not built yet
-
-_PENDING = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}
-
-
-def _not_built(command: str, issue: int) -> None:
-    raise UserError(f"`atrctl {command}` is not built yet (tracked in issue {issue}); try `atrctl plot-bounds`")
+# -------------------------------------------------------------------- train
 
 
 def _train_overrides(algo, max_kl3, eps, eps_high, steps, seed, group_size, prompts, lr, device, tensorboard):
     """The common flags as recipe overrides (applied after --recipe and before --set)."""
-    loss = algo
     pairs = [("algo.loss", algo), ("run.steps", steps), ("run.seed", seed), ("rollout.group_size", group_size),
              ("rollout.prompts", prompts), ("optim.lr", lr), ("model.device", device),
              ("run.tensorboard", "true" if tensorboard else None), ("algo.args.max_kl3", max_kl3),
-             ("algo.args.eps" if loss in (None, "grpo") else "algo.args.eps_low", eps),
+             ("algo.args.eps" if algo in (None, "grpo") else "algo.args.eps_low", eps),
              ("algo.args.eps_high", eps_high)]
     return [f"{key}={value}" for key, value in pairs if value is not None]
 
@@ -236,17 +229,17 @@ def _train_overrides(algo, max_kl3, eps, eps_high, steps, seed, group_size, prom
 @app.command()
 def train(
     algo: Annotated[str | None, typer.Option(help="Policy loss: atr (default), grpo, dapo, k2, kl-band, ...")] = None,
-    max_kl3: Annotated[float | None, typer.Option(help="ATR-GRPO's KL3 level δ [default: 0.1].")] = None,
+    max_kl3: Annotated[float | None, typer.Option(help="ATR-GRPO's KL3 level δ \\[default: 0.1].")] = None,
     eps: Annotated[float | None, typer.Option(help="Clip ε of grpo (ε_low of dapo/gspo/cispo).")] = None,
     eps_high: Annotated[float | None, typer.Option(help="Upper clip ε_high of dapo/gspo/cispo.")] = None,
-    steps: Annotated[int | None, typer.Option(help="RL steps [default: 200].")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed of prompt order and sampling [default: 0].")] = None,
-    group_size: Annotated[int | None, typer.Option(help="Completions per prompt G [default: 8].")] = None,
-    prompts: Annotated[int | None, typer.Option(help="Prompts per step [default: 64].")] = None,
-    lr: Annotated[float | None, typer.Option(help="Learning rate [default: 2e-4].")] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda [default: auto].")] = None,
+    steps: Annotated[int | None, typer.Option(help="RL steps \\[default: 300].")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of prompt order and sampling \\[default: 0].")] = None,
+    group_size: Annotated[int | None, typer.Option(help="Completions per prompt G \\[default: 8].")] = None,
+    prompts: Annotated[int | None, typer.Option(help="Prompts per step \\[default: 64].")] = None,
+    lr: Annotated[float | None, typer.Option(help="Learning rate \\[default: 2e-4].")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda \\[default: auto].")] = None,
     name: Annotated[
-        str | None, typer.Option(help="Run name: results/<name>/ [default: <algo>-<task>-s<seed>-<time>].")
+        str | None, typer.Option(help="Run name: results/<name>/ \\[default: <algo>-<task>-s<seed>-<time>].")
     ] = None,
     recipe: RecipeOption = None,
     set_: SetOption = None,
@@ -327,23 +320,278 @@ def _train_with_display(config, directory: Path, results: Path, resume: bool, ov
                             on_step=on_step, on_warmup=on_warmup)
 
 
-@app.command("eval", **_PENDING)
-def evaluate() -> None:
-    """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy."""
-    _not_built("eval", 6)
+def _parse_ks(text: str | None, n: int) -> list[int]:
+    """--k '1,2,4' -> [1, 2, 4] (sorted, distinct), each in [1, n]; None -> 1, 2, 4, ... and n."""
+    from atrctl.evaluate import default_ks
+
+    if text is None:
+        return default_ks(n)
+    try:
+        ks = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise UserError(f"--k {text!r}: give comma-separated integers, e.g. --k 1,2,4,8") from None
+    if ks[0] < 1 or ks[-1] > n:
+        raise UserError(f"--k {text!r}: every k must be between 1 and --n ({n}); raise --n or drop the larger k")
+    return ks
 
 
-@app.command(**_PENDING)
-def compare() -> None:
+def _task_args(pairs: list[str]) -> dict:
+    """--task-arg key=value pairs, values read as TOML (bare words as strings)."""
+    from atrctl.config import parse_override
+
+    args = {}
+    for pair in pairs:
+        key, sep, _ = pair.partition("=")
+        if not sep or not key.strip() or "." in key:
+            raise UserError(f"--task-arg {pair!r}: write key=value, e.g. --task-arg digits=2")
+        args[key.strip()] = parse_override(f"task.{pair}")[1]
+    return args
+
+
+class _EvalTarget(NamedTuple):
+    model: str  # a model directory or hub name for load_model
+    task: str
+    task_args: dict
+    chat_template: bool
+    max_new_tokens: int
+    dtype: str
+    problem_seed: int  # the held-out problems training evaluated on (eval.seed), shared by every run
+    directory: Path
+
+
+def _eval_target(target: str, task: str | None, task_args: dict, max_new_tokens: int | None,
+                 out: Path | None) -> _EvalTarget:
+    """What TARGET is evaluated with: a run directory brings its own recipe; a model directory or hub name
+    needs --task and --max-new-tokens."""
+    from atrctl.config import EvalConfig, recipe_of_run
+
+    path = Path(target).expanduser()
+    if (path / "config.toml").is_file():
+        recipe = recipe_of_run(path)
+        if not (path / "model").is_dir():
+            raise UserError(f"run {path} has no final model in {path / 'model'}: finish (or resume) its training")
+        name, args = (task, task_args) if task else (recipe.task.name, {**recipe.task.args, **task_args})
+        return _EvalTarget(str(path / "model"), name, args, recipe.task.chat_template,
+                           max_new_tokens or recipe.rollout.max_new_tokens, recipe.model.dtype, recipe.eval.seed,
+                           out or path / "eval")
+    if task is None:
+        raise UserError(f"{target} is not a run directory (no config.toml): name its task, e.g. --task arith")
+    if max_new_tokens is None:
+        raise UserError(f"{target} is not a run directory: give --max-new-tokens (e.g. 8 for 3-digit arith, "
+                        f"512 for gsm8k) so answers are not silently cut short")
+    stem = path.name if path.name != "model" else path.parent.name
+    return _EvalTarget(target, task, task_args, False, max_new_tokens, "auto", EvalConfig().seed,
+                       out or Path("results") / f"eval-{stem}")
+
+
+@app.command("eval")
+def evaluate(
+    target: Annotated[str, typer.Argument(help="A run directory, a model directory or a hub name.")],
+    task: Annotated[str | None, typer.Option(help=r"Task \[default: the run's]; required for a model.")] = None,
+    task_arg: Annotated[
+        list[str] | None, typer.Option("--task-arg", help="Task parameter key=value, e.g. digits=2 (repeatable).")
+    ] = None,
+    split: Annotated[str, typer.Option(help="Problem split: test or train.")] = "test",
+    n: Annotated[int, typer.Option("--n", help="Samples per problem.")] = 256,
+    k: Annotated[str | None, typer.Option("--k", help=r"Comma-separated k's \[default: 1, 2, 4, ... and n].")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature, > 0.")] = 1.0,
+    problems: Annotated[int, typer.Option(help="Problems to evaluate (drawn with the run's eval.seed).")] = 200,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help=r"Longest completion \[default: the run's rollout.max_new_tokens].")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Completions per sampling batch.")] = 1024,
+    out: Annotated[
+        Path | None, typer.Option(help=r"Output folder \[default: <run>/eval, results/eval-<model>].")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing evaluation in the output folder.")] = False,
+) -> None:
+    """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy: table, CSV, markdown and plot."""
+    if n < 1:
+        raise UserError(f"--n must be at least 1 (got {n}); e.g. --n 256")
+    if problems < 1:
+        raise UserError(f"--problems must be at least 1 (got {problems}); e.g. --problems 200")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
+    _positive(temperature, "--temperature")
+    ks = _parse_ks(k, n)
+    spec = _eval_target(target, task, _task_args(task_arg or []), max_new_tokens, out)
+    if (spec.directory / "passk.csv").exists() and not overwrite:
+        raise UserError(f"{spec.directory} already holds an evaluation; pass --overwrite to replace it "
+                        f"or --out elsewhere")
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from atrctl.eval_report import write_eval
+    from atrctl.evaluate import evaluate_model
+    from atrctl.models import load_model, set_cpu_threads
+    from atrctl.tasks import get_task
+
+    _quiet_libraries()
+    evaluated = get_task(spec.task, **spec.task_args)
+    picked = evaluated.problems(split, problems, spec.problem_seed)
+    set_cpu_threads()
+    model, tokenizer = load_model(spec.model, device, spec.dtype)
+    columns = (TextColumn("sampling"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task("sampling", total=len(picked))
+        result = evaluate_model(model, tokenizer, evaluated, picked, n=n, temperature=temperature, seed=seed,
+                                max_new_tokens=spec.max_new_tokens, chat_template=spec.chat_template,
+                                batch_size=batch_size,
+                                on_progress=lambda done, total: progress.update(bar, completed=done))
+    setting = f"{spec.task} {split}, {len(picked)} problems, n={n}, T={temperature:g}"
+    try:
+        paths = write_eval(result, ks, spec.directory, f"{target}: {setting}")
+    except OSError as error:
+        raise UserError(f"cannot write to {spec.directory} ({error.strerror}); use --out elsewhere") from None
+    console.print(_passk_table(result.summary(ks), ks, f"pass@k: {setting}"))
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _passk_table(summary: dict, ks: list[int], title: str):
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=escape(title))
+    table.caption = (f"avg@n {summary['avg@n']:.4f}  greedy {summary['greedy']:.4f}  seed {summary['seed']}  "
+                     f"{summary['seconds']:.1f} s")
+    for column in ("k", "pass@k", "95% CI", "maj@k"):
+        table.add_column(column, justify="right")
+    for k in ks:
+        interval = escape(f"[{summary[f'pass@{k}/low']:.4f}, {summary[f'pass@{k}/high']:.4f}]")
+        table.add_row(str(k), f"{summary[f'pass@{k}']:.4f}", interval, f"{summary[f'maj@{k}']:.4f}")
+    return table
+
+
+@app.command()
+def compare(
+    arms: Annotated[list[str], typer.Argument(help="Losses to train (e.g. grpo atr) or finished run directories.")],
+    seeds: Annotated[int, typer.Option(help="Training seeds per arm (0 … seeds-1).")] = 4,
+    steps: Annotated[int | None, typer.Option(help="RL steps per run \\[default: the recipe's, 300].")] = None,
+    n: Annotated[int, typer.Option("--n", help="Samples per held-out problem for pass@k.")] = 256,
+    problems: Annotated[int, typer.Option(help="Held-out problems, the same for every arm.")] = 500,
+    jobs: Annotated[int, typer.Option(help="Training runs in parallel (one CPU thread each when > 1).")] = 2,
+    max_kl3: Annotated[float | None, typer.Option(help="δ of the atr arm \\[default: 0.1].")] = None,
+    eps: Annotated[float | None, typer.Option(help="ε of the grpo arm (ε_low of dapo) \\[default: 0.2].")] = None,
+    eps_high: Annotated[float | None, typer.Option(help="ε_high of the dapo arm \\[default: 0.28].")] = None,
+    name: Annotated[str | None, typer.Option(help="results/compare-<name>/ \\[default: the arms joined by -].")] = None,
+    recipe: RecipeOption = None,
+    set_: SetOption = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing comparison of the same name.")] = False,
+    results: Annotated[Path, typer.Option(help="Results folder.")] = Path("results"),
+) -> None:
     """Train and evaluate several algorithms side by side (e.g. `atrctl compare grpo atr`)."""
-    _not_built("compare", 6)
+    import shlex
+    import time as clock
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from atrctl import compare as cmp
+    from atrctl.bases import ensure_base
+    from atrctl.compare_report import write_report
+    from atrctl.config import load_recipe, recipe_to_dict, to_toml
+    from atrctl.eval_report import write_eval
+    from atrctl.evaluate import default_ks
+    from atrctl.models import resolve_device
+    from atrctl.train import environment, validate_algo
+
+    _quiet_libraries()
+    started = clock.perf_counter()
+    for value, flag in ((seeds, "--seeds"), (n, "--n"), (problems, "--problems"), (jobs, "--jobs")):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1 (got {value})")
+    arm_list = cmp.parse_arms(arms)
+    config = load_recipe(recipe, ([f"run.steps={steps}"] if steps is not None else []) + list(set_ or []))
+    loss_args = {loss: args for loss, args in (
+        ("atr", {"max_kl3": max_kl3}), ("grpo", {"eps": eps}), ("dapo", {"eps_low": eps, "eps_high": eps_high}))}
+    loss_args = {loss: {k: v for k, v in args.items() if v is not None} for loss, args in loss_args.items()}
+    loss_args = {loss: args for loss, args in loss_args.items() if args}
+    for arm in arm_list:
+        if arm.loss is not None:
+            validate_algo(cmp.arm_recipe(config, arm, config.model.base, loss_args))
+    ks = default_ks(n)
+    comparison = cmp.Comparison(results / f"compare-{name or '-'.join(a.label for a in arm_list)}", arm_list,
+                                seeds, config, loss_args)
+    cmp.prepare(comparison, overwrite)
+
+    seconds: dict[str, float] = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        bars: dict[str, int] = {}
+
+        def advance(key: str, description: str, done: int, total: int, note: str = "") -> None:
+            if key not in bars:
+                bars[key] = progress.add_task(description, total=total, note="")
+            progress.update(bars[key], completed=done, note=note)
+
+        phase = clock.perf_counter()
+        base, _ = ensure_base(config, results, lambda step, loss, acc: advance(
+            "warmup", "warm-up base", step, config.warmup.max_steps, f"loss {loss:.3f}"))
+        base = str(Path(base).resolve()) if isinstance(base, Path) else base
+        seconds["base (warm-up or cache)"] = clock.perf_counter() - phase
+
+        phase = clock.perf_counter()
+        job_list = cmp.training_jobs(arm_list, seeds, cmp.write_arm_recipes(comparison, base),
+                                     comparison.directory / "runs")
+        total_steps = len(job_list) * config.run.steps
+        try:
+            cmp.run_jobs(job_list, jobs, lambda done: advance(
+                "train", f"train {len(job_list)} runs", done, total_steps, f"{jobs} at a time"))
+        except KeyboardInterrupt:
+            stderr.print(f"interrupted: rerun the same command to resume the runs in {comparison.directory}")
+            raise typer.Exit(130) from None
+        seconds["training (all runs, wall)"] = clock.perf_counter() - phase
+
+        phase = clock.perf_counter()
+        evaluations = cmp.evaluate_arms(comparison, n, problems, lambda run, done, total: advance(
+            f"eval {run}", f"eval {run}", done, total, f"n = {n}"))
+        seconds["evaluation (wall)"] = clock.perf_counter() - phase
+
+    for label, directories in cmp.arm_runs(comparison).items():
+        for directory, result in zip(directories, evaluations[label], strict=True):
+            write_eval(result, ks, directory / "eval", f"{directory.name}: pass@k")
+    seconds["total"] = clock.perf_counter() - started
+    deltas = sorted({float(loss_args.get("atr", {}).get("max_kl3", 0.1))} if any(a.loss == "atr" for a in arm_list)
+                    else {0.1})
+    rows = write_report(
+        comparison.directory, cmp.arm_runs(comparison), evaluations, ks,
+        command=" ".join(shlex.quote(a) for a in _invocation),
+        recipe_toml=to_toml(recipe_to_dict(config)), environment=environment(resolve_device(config.model.device)),
+        deltas=deltas, eps=float(loss_args.get("grpo", {}).get("eps", 0.2)), seconds=seconds)
+    console.print(_compare_table(rows, ks))
+    console.print(f"report: {comparison.directory / 'report.md'}")
+
+
+def _compare_table(rows: list[dict], ks: list[int]):
+    from rich.table import Table
+
+    metrics = [f"pass@{k}" for k in ks] + ["greedy"]
+    table = Table(title="pass@k, mean over seeds and problems [95% CI]; ★ = difference whose CI excludes 0")
+    table.add_column("arm")
+    table.add_column("seeds", justify="right")
+    for metric in metrics:
+        table.add_column(metric, justify="right")
+    for row in rows:
+        cells = [f"{row[m]:.3f} \\[{row[m + ' low']:.3f}, {row[m + ' high']:.3f}]"
+                 + (" ★" if row.get(f"{m} excludes_0") else "") for m in metrics]
+        table.add_row(row["row"], str(row["seeds"]), *cells)
+    return table
 
 
 # --------------------------------------------------------------------- entry
 
 
+_invocation: list[str] = ["atrctl"]  # the command line as typed, for reports
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; bad input becomes one line on stderr and exit code 2, never a traceback."""
+    _invocation[1:] = sys.argv[1:] if argv is None else argv
     try:
         code = app(args=argv, prog_name="atrctl", standalone_mode=False)
     except UserError as error:

@@ -257,7 +257,7 @@ def build_run(recipe: Recipe, directory: Path, results: Path,
         reference, _ = load_model(str(base), recipe.model.device, recipe.model.dtype)
         reference.requires_grad_(False)
     pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
-    held_out = task.problems("test", recipe.eval.problems, recipe.eval.seed)
+    held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
     chat = recipe.task.chat_template
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay)
     sampler = torch.Generator(device).manual_seed(recipe.run.seed)

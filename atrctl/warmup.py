@@ -77,7 +77,7 @@ def warm_up(model, tokenizer, task: Task, config: WarmupConfig,
     started = time.perf_counter()
     device = next(model.parameters()).device
     train = problem_pool(task, "train", min(TRAIN_POOL, config.batch_size * config.max_steps), config.seed)
-    held_out = task.problems("test", config.eval_problems, config.seed)
+    held_out = problem_pool(task, "test", config.eval_problems, config.seed)
     budget = answer_budget(tokenizer, held_out)
     order = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)

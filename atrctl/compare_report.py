@@ -1,0 +1,200 @@
+"""Tables, figures and report.md of a comparison, with uncertainty over problems *and* seeds.
+
+A difference between two algorithms has two sources of noise: which held-out problems were drawn and
+which training seeds were run.  Confidence intervals here come from a two-level bootstrap: problems are
+resampled (jointly for all arms, since they share the problems: a paired comparison) and, within each
+arm, its seeds are resampled.  With one seed the interval reflects problem noise only, and the report
+says so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from atrctl.evaluate import pass_at_k_per_problem
+
+SMOOTHING = 10
+LEVEL = 0.95
+RESAMPLES = 2000
+TRAINING_PANELS = (("reward/mean", "reward (mean of the batch)"), ("entropy", "entropy (nats/token)"),
+                   ("kl3/mean", "kl3/mean: KL(π_old‖π_θ) per token"), ("clip/low", "clip/low: w<l, A<0"),
+                   ("clip/high", "clip/high: w>u, A>0"))
+
+
+def two_level_bootstrap(arrays: Sequence[np.ndarray], resamples: int = RESAMPLES,
+                        seed: int = 0) -> np.ndarray:
+    """Bootstrap means of several [seeds, problems] arrays: [resamples, arms].
+
+    Each resample draws one set of problem indices shared by all arms (paired) and, per arm, its seeds.
+    """
+    rng = np.random.default_rng(seed)
+    problems = arrays[0].shape[1]
+    out = np.empty((resamples, len(arrays)))
+    for r in range(resamples):
+        columns = rng.integers(0, problems, problems)
+        for i, values in enumerate(arrays):
+            rows = rng.integers(0, values.shape[0], values.shape[0])
+            out[r, i] = values[np.ix_(rows, columns)].mean()
+    return out
+
+
+def interval(samples: np.ndarray) -> tuple[float, float]:
+    tail = (1 - LEVEL) / 2 * 100
+    low, high = np.percentile(samples, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def per_seed_pass_at_k(results: Sequence, k: int) -> np.ndarray:
+    """[seeds, problems] pass@k of one arm's evaluations (all on the same problems, in the same order)."""
+    return np.stack([pass_at_k_per_problem(result.correct, result.n, k) for result in results])
+
+
+def comparison_table(results: dict[str, list], ks: Sequence[int]) -> list[dict]:
+    """Rows: one per arm (mean over seeds and problems, with its CI), then each arm minus the first.
+
+    Columns per metric: value, low, high; difference rows add `excludes_0`.
+    """
+    labels = list(results)
+    metrics = {f"pass@{k}": [per_seed_pass_at_k(results[label], k) for label in labels] for k in ks}
+    metrics["greedy"] = [np.stack([r.greedy.astype(float) for r in results[label]]) for label in labels]
+    rows = [{"row": label, "seeds": len(results[label])} for label in labels]
+    diffs = [{"row": f"{label} − {labels[0]}", "seeds": len(results[label])} for label in labels[1:]]
+    for name, arrays in metrics.items():
+        boot = two_level_bootstrap(arrays)
+        for i, row in enumerate(rows):
+            row[name] = float(arrays[i].mean())
+            row[f"{name} low"], row[f"{name} high"] = interval(boot[:, i])
+        for i, row in enumerate(diffs, start=1):
+            row[name] = float(arrays[i].mean() - arrays[0].mean())
+            row[f"{name} low"], row[f"{name} high"] = interval(boot[:, i] - boot[:, 0])
+            row[f"{name} excludes_0"] = row[f"{name} low"] > 0 or row[f"{name} high"] < 0
+    return rows + diffs
+
+
+def table_markdown(rows: Sequence[dict], metrics: Sequence[str]) -> str:
+    """The table as markdown: `mean [low, high]`, a ★ on a difference whose interval excludes 0."""
+    head = "| arm | seeds | " + " | ".join(metrics) + " |"
+    lines = [head, "|" + "---|" * (len(metrics) + 2)]
+    for row in rows:
+        cells = []
+        for metric in metrics:
+            star = " ★" if row.get(f"{metric} excludes_0") else ""
+            cells.append(f"{row[metric]:.3f} [{row[f'{metric} low']:.3f}, {row[f'{metric} high']:.3f}]{star}")
+        lines.append(f"| {row['row']} | {row['seeds']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def training_figure(runs: dict[str, list[Path]]):
+    """Training curves of every arm: mean over seeds, band from the lowest to the highest seed."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4.2 * len(TRAINING_PANELS), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(TRAINING_PANELS))
+    for (key, title), ax in zip(TRAINING_PANELS, axes, strict=True):
+        for label, directories in runs.items():
+            records = [read_metrics(d) for d in directories]
+            length = min(len(r) for r in records)
+            if length == 0:
+                continue
+            steps = np.array([rec["step"] for rec in records[0][:length]])
+            values = np.array([[rec.get(key, np.nan) for rec in r[:length]] for r in records])
+            window = min(SMOOTHING, length)  # per-step values are noisy: a trailing moving average
+            kernel = np.ones(window) / window
+            values = np.array([np.convolve(v, kernel, mode="valid") for v in values])
+            steps = steps[window - 1 :]
+            line = ax.plot(steps, values.mean(0), label=f"{label} ({len(records)} seeds)", lw=1.6)[0]
+            if len(records) > 1:
+                ax.fill_between(steps, values.min(0), values.max(0), color=line.get_color(), alpha=0.2, lw=0)
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Training curves: mean over seeds of a {SMOOTHING}-step moving average; band: range across seeds")
+    return fig
+
+
+def save_figure(figure, path: Path) -> None:
+    from atrctl import io
+
+    with io.atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=120)
+
+
+def write_report(directory: Path, runs: dict[str, list[Path]], results: dict[str, list], ks: Sequence[int], *,
+                 command: str, recipe_toml: str, environment: dict[str, str], deltas: Sequence[float],
+                 eps: float, seconds: dict[str, float]) -> list[dict]:
+    """passk.csv / passk.md / passk.png / training.png / bounds.png / report.md in `directory`; returns the rows."""
+    import pandas as pd
+
+    from atrctl import io
+    from atrctl.bounds_plot import bounds_figure
+    from atrctl.eval_report import plot_passk_curves
+
+    rows = comparison_table(results, ks)
+    metrics = [f"pass@{k}" for k in ks] + ["greedy"]
+    io.write_text(directory / "passk.csv", pd.DataFrame(rows).to_csv(index=False))
+    table = table_markdown(rows, metrics)
+    io.write_text(directory / "passk.md", table)
+    arm_rows = rows[: len(results)]
+    curves = [(row["row"], list(ks), [row[f"pass@{k}"] for k in ks], [row[f"pass@{k} low"] for k in ks],
+               [row[f"pass@{k} high"] for k in ks]) for row in arm_rows]
+    n = next(iter(results.values()))[0].n
+    problems = len(next(iter(results.values()))[0].correct)
+    save_figure(plot_passk_curves(curves, f"pass@k on {problems} held-out problems, n = {n} samples each "
+                                          f"(mean over seeds, {LEVEL:.0%} CI)"), directory / "passk.png")
+    save_figure(training_figure(runs), directory / "training.png")
+    save_figure(bounds_figure(deltas or [0.1], eps), directory / "bounds.png")
+
+    starred = [row["row"] for row in rows[len(results):] if any(row.get(f"{m} excludes_0") for m in metrics)]
+    seeds = {row["seeds"] for row in arm_rows}
+    verdict = (f"Differences whose {LEVEL:.0%} interval excludes 0 (★): {', '.join(starred)}." if starred else
+               f"No difference between arms is larger than its {LEVEL:.0%} uncertainty.")
+    single_seed_note = " — with a single seed they reflect problem noise only" if seeds == {1} else ""
+    timing = "\n".join(f"| {name} | {value:.1f} |" for name, value in seconds.items())
+    versions = "\n".join(f"- {key}: {value}" for key, value in environment.items())
+    report = f"""# Comparison: {' vs '.join(results)}
+
+```
+{command}
+```
+
+{verdict} Intervals come from a two-level bootstrap ({RESAMPLES} resamples) over the held-out problems
+(paired across arms) and over each arm's seeds{single_seed_note}.
+
+## pass@k (mean over seeds and problems, {LEVEL:.0%} CI)
+
+{table}
+![pass@k](passk.png)
+
+## Training
+
+![training curves](training.png)
+
+## Trust regions
+
+![trust regions](bounds.png)
+
+## Wall times (seconds)
+
+| part | seconds |
+|---|---|
+{timing}
+
+## Resolved recipe (shared by every arm except `algo`)
+
+```toml
+{recipe_toml}```
+
+## Versions
+
+{versions}
+"""
+    io.write_text(directory / "report.md", report)
+    return rows

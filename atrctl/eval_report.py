@@ -1,0 +1,78 @@
+"""The files of one evaluation: passk.csv, passk.md and passk.png (DESIGN.md §5, results/<run>/eval/)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and no global pyplot state
+
+from atrctl import io
+from atrctl.evaluate import EvalResult, avg_at_n
+
+COLUMNS = ("k", "pass@k", "ci_low", "ci_high", "maj@k")
+Curve = tuple[str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]  # label, ks, mean, low, high
+
+
+def passk_frame(result: EvalResult, ks: Sequence[int]) -> pd.DataFrame:
+    """One row per k: pass@k, its 95% bootstrap interval over problems, and maj@k."""
+    summary = result.summary(ks)
+    rows = [(k, summary[f"pass@{k}"], summary[f"pass@{k}/low"], summary[f"pass@{k}/high"], summary[f"maj@{k}"])
+            for k in ks]
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def passk_markdown(result: EvalResult, frame: pd.DataFrame, title: str) -> str:
+    """The table plus the settings that produced it, readable as it is and rendered on GitHub."""
+    lines = [f"# {title}", "", "| k | pass@k | 95% CI | maj@k |", "|---:|---:|---:|---:|"]
+    lines += [f"| {int(k)} | {mean:.4f} | [{low:.4f}, {high:.4f}] | {majority:.4f} |"
+              for k, mean, low, high, majority in frame[list(COLUMNS)].itertuples(index=False, name=None)]
+    lines += [
+        "",
+        f"- avg@n: {avg_at_n(result.rewards):.4f}",
+        f"- greedy accuracy: {float(result.greedy.mean()):.4f}",
+        f"- n: {result.n} samples per problem",
+        f"- problems: {len(result.problem_ids)}",
+        f"- temperature: {result.temperature:g}",
+        f"- seed: {result.seed}",
+        f"- seconds: {result.seconds:.1f}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_passk_curves(curves: Sequence[Curve], title: str) -> Figure:
+    """pass@k against k on a log2 axis, one line with its interval band per (label, ks, mean, low, high)."""
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ticks: set[int] = set()
+    for label, ks, mean, low, high in curves:
+        (line,) = ax.plot(ks, mean, marker="o", ms=4, lw=2, label=label)
+        ax.fill_between(ks, low, high, color=line.get_color(), alpha=0.2, lw=0)
+        ticks.update(int(k) for k in ks)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(ticks), [str(k) for k in sorted(ticks)])
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set(xlabel="k (samples per problem, log₂ scale)", ylabel="pass@k", title=title)
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+def write_eval(result: EvalResult, ks: Sequence[int], directory: Path, title: str) -> list[Path]:
+    """Write passk.csv, passk.md and passk.png atomically into directory; returns their paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    frame = passk_frame(result, ks)
+    csv_path, md_path, png_path = (directory / f"passk.{ext}" for ext in ("csv", "md", "png"))
+    io.write_text(md_path, passk_markdown(result, frame, title))
+    label = f"pass@k (n={result.n}, T={result.temperature:g}), 95% CI"
+    figure = plot_passk_curves([(label, ks, frame["pass@k"], frame["ci_low"], frame["ci_high"])], title)
+    greedy = float(np.mean(result.greedy))
+    figure.axes[0].axhline(greedy, color="0.4", ls="--", lw=1, label=f"greedy accuracy {greedy:.3f}")
+    figure.axes[0].legend(loc="lower right", fontsize=8)
+    with io.atomic_path(png_path) as tmp:
+        figure.savefig(tmp, format="png", dpi=130)
+    io.write_text(csv_path, frame.to_csv(index=False, float_format="%.6f"))  # last: it marks a finished evaluation
+    return [csv_path, md_path, png_path]

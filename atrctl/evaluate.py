@@ -1,0 +1,190 @@
+"""Evaluation math (DESIGN.md §3): pass@k, maj@k, avg@n and bootstrap intervals over problems.
+
+Everything here but `evaluate_model` is a pure numpy function, so a comparison can recompute any
+figure from the per-sample rewards.  A sample is *correct* when it earns the full reward (1).
+Importing this module stays cheap: torch is imported inside `evaluate_model` only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k)/C(n, k).
+
+    The product form 1 - ∏_{i=n-c+1}^{n} (1 - k/i) avoids huge binomials, so n = 1024 is exact enough.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k} must be between 1 and n={n}")
+    if not 0 <= c <= n:
+        raise ValueError(f"c={c} correct samples must be between 0 and n={n}")
+    if c == 0:
+        return 0.0
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def pass_at_k_per_problem(correct: Sequence[int] | np.ndarray, n: int, k: int) -> np.ndarray:
+    """pass@k of each problem from its correct count: shape of `correct`, float64."""
+    counts = np.asarray(correct)
+    return np.array([pass_at_k(n, int(c), k) for c in counts.ravel()], dtype=np.float64).reshape(counts.shape)
+
+
+def default_ks(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself when it is not a power of two (pass@n: solved at all)."""
+    if n < 1:
+        raise ValueError(f"n={n} must be at least 1")
+    ks = [2**i for i in range(n.bit_length()) if 2**i <= n]
+    return ks if ks[-1] == n else [*ks, n]
+
+
+def _problem_means(values: np.ndarray) -> np.ndarray:
+    """[P] or [S, P] -> [P]: resampling problems keeps each problem's seeds together, and the mean over all
+    S×P entries of a resample equals the mean of these column means."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim not in (1, 2) or values.shape[-1] == 0:
+        raise ValueError(f"values must have shape [problems] or [seeds, problems], got {values.shape}")
+    return values if values.ndim == 1 else values.mean(axis=0)
+
+
+def _bootstrap(per_problem: np.ndarray, resamples: int, seed: int, level: float) -> tuple[float, float]:
+    if not 0 < level < 1:
+        raise ValueError(f"level={level} must be in (0, 1)")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, per_problem.size, size=(resamples, per_problem.size))
+    means = per_problem[picks].mean(axis=1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
+def bootstrap_ci(values: np.ndarray, *, resamples: int = 2000, seed: int = 0,
+                 level: float = 0.95) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the mean over problems (values [P], or [S, P] for S seeds).
+
+    Problems, not samples, are resampled: they are the unit the result should generalise over.
+    """
+    return _bootstrap(_problem_means(values), resamples, seed, level)
+
+
+def paired_difference_ci(a: np.ndarray, b: np.ndarray, *, resamples: int = 2000, seed: int = 0,
+                         level: float = 0.95) -> tuple[float, float, float]:
+    """(mean of b - mean of a, low, high) with the same problems resampled for both.
+
+    Pairing removes the problem-difficulty variance both share, so the interval is much tighter than
+    two separate ones; a and b are [P] or [S, P] over the same P problems (seed counts may differ).
+    """
+    a_means, b_means = _problem_means(a), _problem_means(b)
+    if a_means.shape != b_means.shape:
+        raise ValueError(f"a and b must cover the same problems, got {a_means.size} and {b_means.size}")
+    diff = b_means - a_means
+    return (float(diff.mean()), *_bootstrap(diff, resamples, seed, level))
+
+
+def majority_correct(parsed: Sequence[Sequence[str | None]], rewards: np.ndarray, k: int) -> np.ndarray:
+    """Per problem, whether the most common parsed answer among its first k samples is correct: [P] bool.
+
+    Unparseable samples (None) do not vote; a tie goes to the answer seen first.  The majority answer is
+    correct when one of those k samples giving it earned reward 1: the task's verifier already decided
+    equivalence (math-verify for math), so no answer comparison is repeated here.  No vote: incorrect.
+    """
+    rewards = np.asarray(rewards)
+    if rewards.ndim != 2 or len(parsed) != rewards.shape[0]:
+        raise ValueError(f"rewards must be [problems, n] matching parsed, got {rewards.shape} for {len(parsed)}")
+    if not 1 <= k <= rewards.shape[1]:
+        raise ValueError(f"k={k} must be between 1 and n={rewards.shape[1]}")
+    out = np.zeros(len(parsed), dtype=bool)
+    for p, answers in enumerate(parsed):
+        votes = Counter(a for a in answers[:k] if a is not None)
+        if votes:
+            top = max(votes.values())
+            winner = next(a for a in answers[:k] if votes.get(a) == top)  # first to reach the top count
+            out[p] = any(a == winner and r >= 1 for a, r in zip(answers[:k], rewards[p, :k], strict=True))
+    return out
+
+
+def majority_at_k(parsed: Sequence[Sequence[str | None]], rewards: np.ndarray, k: int) -> float:
+    """maj@k: the fraction of problems whose majority answer over the first k samples is correct."""
+    return float(majority_correct(parsed, rewards, k).mean())
+
+
+def avg_at_n(rewards: np.ndarray) -> float:
+    """avg@n: the mean correctness of all samples (equal to pass@1 in expectation)."""
+    return float((np.asarray(rewards) >= 1).mean())
+
+
+@dataclass
+class EvalResult:
+    """Everything one evaluation measured, per problem and per sample, so any figure can be recomputed."""
+
+    problem_ids: list[str]
+    n: int
+    rewards: np.ndarray  # [P, n] float32, the task's reward of each sample
+    parsed: list[list[str | None]]  # [P][n] normalised parsed answers, None when unparseable
+    greedy: np.ndarray  # [P] bool, the greedy completion is correct
+    temperature: float
+    seed: int
+    seconds: float
+
+    @property
+    def correct(self) -> np.ndarray:
+        """Correct samples per problem: [P] int."""
+        return (self.rewards >= 1).sum(axis=1)
+
+    def pass_at(self, k: int) -> np.ndarray:
+        """pass@k of each problem: [P]."""
+        return pass_at_k_per_problem(self.correct, self.n, k)
+
+    def summary(self, ks: Sequence[int]) -> dict[str, float]:
+        """Headline figures: pass@k with its 95% interval (pass@k/low, pass@k/high), maj@k, avg@n, greedy."""
+        out: dict[str, float] = {"n": self.n, "problems": len(self.problem_ids), "temperature": self.temperature,
+                                 "seed": self.seed, "seconds": self.seconds}
+        for k in ks:
+            values = self.pass_at(k)
+            out[f"pass@{k}"] = float(values.mean())
+            out[f"pass@{k}/low"], out[f"pass@{k}/high"] = bootstrap_ci(values)
+            out[f"maj@{k}"] = majority_at_k(self.parsed, self.rewards, k)
+        out["avg@n"] = avg_at_n(self.rewards)
+        out["greedy"] = float(self.greedy.mean())
+        return out
+
+
+def evaluate_model(model, tokenizer, task, problems: Sequence, *, n: int, temperature: float, seed: int,
+                   max_new_tokens: int, chat_template: bool = False, batch_size: int = 1024,
+                   on_progress: Callable[[int, int], None] | None = None) -> EvalResult:
+    """A greedy completion and n samples for each problem, scored by the task.
+
+    Samples come from a generator seeded by `seed` on the model's device, in batches of about
+    `batch_size` completions (whole problems each): the same seed and batch size give the same samples.
+    on_progress(problems sampled, total) follows the sampling pass.
+    """
+    import torch
+
+    from atrctl.scoring import encode_prompts, sampled_scores
+
+    if n < 1:
+        raise ValueError(f"n={n} must be at least 1")
+    started = time.perf_counter()
+    prompt_ids = encode_prompts(tokenizer, problems, chat_template)
+    greedy = sampled_scores(model, tokenizer, task, problems, prompt_ids, samples=1, greedy=True,
+                            max_new_tokens=max_new_tokens, batch_size=batch_size)
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    sampled = sampled_scores(model, tokenizer, task, problems, prompt_ids, samples=n, temperature=temperature,
+                             max_new_tokens=max_new_tokens, generator=generator, batch_size=batch_size,
+                             on_progress=on_progress)
+    return EvalResult(
+        problem_ids=[p.id for p in problems],
+        n=n,
+        rewards=np.array([[s.reward for s in row] for row in sampled], dtype=np.float32).reshape(len(problems), n),
+        parsed=[[s.parsed for s in row] for row in sampled],
+        greedy=np.array([row[0].reward >= 1 for row in greedy], dtype=bool),
+        temperature=temperature,
+        seed=seed,
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,110 @@
+"""`atrctl eval` end to end on a tiny run directory: its three files, refusals, one-line errors."""
+
+import pandas as pd
+import pytest
+
+from atrctl.cli import main
+from atrctl.config import load_recipe, recipe_to_dict, to_toml
+from atrctl.models import build_char_tokenizer, build_model
+
+FAST = ["--n", "8", "--problems", "5", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory as training leaves it (config.toml and model/), with untrained tiny weights."""
+    directory = tmp_path_factory.mktemp("runs") / "tiny-run"
+    recipe = load_recipe(None, ["task.args.digits=1", "rollout.max_new_tokens=3", "model.device=cpu"])
+    directory.mkdir()
+    (directory / "config.toml").write_text(to_toml(recipe_to_dict(recipe)))
+    tokenizer = build_char_tokenizer()
+    build_model("tiny", tokenizer).save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+    return directory
+
+
+def test_eval_of_a_run_writes_its_three_files(run_dir, capsys):
+    assert main(["eval", str(run_dir), *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "pass@k" in out and "maj@k" in out and "passk.png" in out
+    frame = pd.read_csv(run_dir / "eval" / "passk.csv")
+    assert list(frame.columns) == ["k", "pass@k", "ci_low", "ci_high", "maj@k"]
+    assert frame["k"].tolist() == [1, 2, 4, 8]
+    assert ((frame["ci_low"] <= frame["pass@k"]) & (frame["pass@k"] <= frame["ci_high"])).all()
+    assert frame["pass@k"].is_monotonic_increasing
+    markdown = (run_dir / "eval" / "passk.md").read_text()
+    for text in ("| k | pass@k | 95% CI | maj@k |", "avg@n", "greedy accuracy", "n: 8", "problems: 5",
+                 "temperature: 1", "seed: 0", "seconds"):
+        assert text in markdown
+    assert (run_dir / "eval" / "passk.png").read_bytes()[:4] == b"\x89PNG"
+
+    before = (run_dir / "eval" / "passk.csv").read_text()
+    assert main(["eval", str(run_dir), *FAST, "--k", "1,3"]) == 2  # an existing evaluation is kept
+    assert "--overwrite" in capsys.readouterr().err
+    assert (run_dir / "eval" / "passk.csv").read_text() == before
+    assert main(["eval", str(run_dir), *FAST, "--k", "3,1", "--overwrite"]) == 0
+    assert pd.read_csv(run_dir / "eval" / "passk.csv")["k"].tolist() == [1, 3]
+
+
+def test_eval_of_a_model_directory_needs_a_task(run_dir, tmp_path):
+    out = tmp_path / "model-eval"
+    args = ["eval", str(run_dir / "model"), "--task", "arith", "--task-arg", "digits=1", "--max-new-tokens", "3",
+            "--out", str(out), "--seed", "3", *FAST]
+    assert main(args) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["passk.csv", "passk.md", "passk.png"]
+    assert "seed: 3" in (out / "passk.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--task", "nope"], "unknown task"),
+        (["--k", "1,16"], "--k"),
+        (["--n", "0"], "--n"),
+        (["--k", "1,two"], "--k"),
+        (["--k", "0"], "--k"),
+        (["--temperature", "0"], "--temperature"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--problems", "0"], "--problems"),
+        (["--task-arg", "digits"], "--task-arg"),
+        (["--task-arg", "digits=0"], "digits"),
+        (["--split", "dev"], "split"),
+        (["--device", "tpu"], "device"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(run_dir, tmp_path, capsys, extra, needle):
+    out = tmp_path / "out"
+    assert main(["eval", str(run_dir), *FAST, "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err and "\n" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "needle"),
+    [
+        ("./no/such/model", ["--task", "arith", "--max-new-tokens", "3"], "not found"),
+        ("{model}", ["--max-new-tokens", "3"], "--task"),
+        ("{model}", ["--task", "arith"], "--max-new-tokens"),
+    ],
+)
+def test_bad_targets_are_one_line(run_dir, tmp_path, capsys, target, extra, needle):
+    out = tmp_path / "out"
+    assert main(["eval", target.format(model=run_dir / "model"), *FAST, "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_a_run_without_its_final_model_is_refused(tmp_path, capsys):
+    (tmp_path / "config.toml").write_text(to_toml(recipe_to_dict(load_recipe(None, []))))
+    assert main(["eval", str(tmp_path), *FAST]) == 2
+    assert "no final model" in capsys.readouterr().err
+    assert not (tmp_path / "eval").exists()
+
+
+def test_an_unwritable_output_folder_is_one_line(run_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["eval", str(run_dir), *FAST, "--out", str(tmp_path / "file" / "eval")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot write to") and "\n" not in err
