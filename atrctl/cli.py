@@ -539,13 +539,15 @@ def compare(
         job_list = cmp.training_jobs(arm_list, seeds, cmp.write_arm_recipes(comparison, base),
                                      comparison.directory / "runs")
         total_steps = len(job_list) * config.run.steps
+        reused = sum(job.finished for job in job_list)
         try:
             cmp.run_jobs(job_list, jobs, lambda done: advance(
                 "train", f"train {len(job_list)} runs", done, total_steps, f"{jobs} at a time"))
         except KeyboardInterrupt:
             stderr.print(f"interrupted: rerun the same command to resume the runs in {comparison.directory}")
             raise typer.Exit(130) from None
-        seconds["training (all runs, wall)"] = clock.perf_counter() - phase
+        seconds[f"training ({len(job_list)} runs, {jobs} at a time; {reused} reused from before)"] = \
+            clock.perf_counter() - phase
 
         phase = clock.perf_counter()
         evaluations = cmp.evaluate_arms(comparison, n, problems, lambda run, done, total: advance(

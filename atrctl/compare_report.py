@@ -15,8 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from atrctl.evaluate import pass_at_k_per_problem
-
 SMOOTHING = 10
 LEVEL = 0.95
 RESAMPLES = 2000
@@ -50,7 +48,7 @@ def interval(samples: np.ndarray) -> tuple[float, float]:
 
 def per_seed_pass_at_k(results: Sequence, k: int) -> np.ndarray:
     """[seeds, problems] pass@k of one arm's evaluations (all on the same problems, in the same order)."""
-    return np.stack([pass_at_k_per_problem(result.correct, result.n, k) for result in results])
+    return np.stack([result.pass_at(k) for result in results])
 
 
 def comparison_table(results: dict[str, list], ks: Sequence[int]) -> list[dict]:
@@ -147,8 +145,8 @@ def write_report(directory: Path, runs: dict[str, list[Path]], results: dict[str
                [row[f"pass@{k} high"] for k in ks]) for row in arm_rows]
     n = next(iter(results.values()))[0].n
     problems = len(next(iter(results.values()))[0].correct)
-    save_figure(plot_passk_curves(curves, f"pass@k on {problems} held-out problems, n = {n} samples each "
-                                          f"(mean over seeds, {LEVEL:.0%} CI)"), directory / "passk.png")
+    title = f"pass@k: {problems} held-out problems, n = {n}\nmean over seeds, {LEVEL:.0%} CI (problems and seeds)"
+    save_figure(plot_passk_curves(curves, title), directory / "passk.png")
     save_figure(training_figure(runs), directory / "training.png")
     save_figure(bounds_figure(deltas or [0.1], eps), directory / "bounds.png")
 

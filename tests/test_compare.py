@@ -1,0 +1,112 @@
+"""`atrctl compare`: arms, the two-level bootstrap table, and a small end-to-end comparison."""
+
+import json
+
+import numpy as np
+import pytest
+
+from atrctl.cli import main
+from atrctl.compare import Arm, parse_arms
+from atrctl.compare_report import comparison_table, interval, table_markdown, two_level_bootstrap
+from atrctl.errors import UserError
+from atrctl.evaluate import EvalResult
+
+
+def result(correct_per_problem, n, greedy, seed=0):
+    """An EvalResult whose problem p has correct_per_problem[p] of n samples right."""
+    rewards = np.zeros((len(correct_per_problem), n), dtype=np.float32)
+    for p, c in enumerate(correct_per_problem):
+        rewards[p, :c] = 1.0
+    parsed = [[None] * n for _ in correct_per_problem]
+    ids = [f"p{i}" for i in range(len(correct_per_problem))]
+    return EvalResult(ids, n, rewards, parsed, np.array(greedy, dtype=bool), 1.0, seed, 0.0)
+
+
+def test_parse_arms():
+    assert parse_arms(["grpo", "atr"]) == [Arm("grpo", "grpo"), Arm("atr", "atr")]
+    with pytest.raises(UserError, match="unknown arm 'ppo'"):
+        parse_arms(["grpo", "ppo"])
+    with pytest.raises(UserError, match="at least two"):
+        parse_arms(["atr"])
+    with pytest.raises(UserError, match="must differ"):
+        parse_arms(["atr", "atr"])
+
+
+def test_table_values_and_differences():
+    rng = np.random.default_rng(0)
+    problems = 300
+    weak = [result(rng.binomial(4, 0.2, problems), 4, rng.random(problems) < 0.2, s) for s in range(3)]
+    strong = [result(rng.binomial(4, 0.7, problems), 4, rng.random(problems) < 0.7, s) for s in range(3)]
+    rows = comparison_table({"weak": weak, "strong": strong, "twin": weak}, [1, 4])
+    assert [row["row"] for row in rows] == ["weak", "strong", "twin", "strong − weak", "twin − weak"]
+    weak_mean = np.mean([r.correct / 4 for r in weak])
+    assert rows[0]["pass@1"] == pytest.approx(weak_mean)
+    assert rows[0]["pass@1 low"] < rows[0]["pass@1"] < rows[0]["pass@1 high"]
+    assert rows[3]["pass@1"] == pytest.approx(rows[1]["pass@1"] - rows[0]["pass@1"])
+    assert rows[3]["pass@1 excludes_0"] and rows[3]["greedy excludes_0"]
+    assert not rows[4]["pass@1 excludes_0"] and rows[4]["pass@1"] == 0.0  # the same runs: no difference
+    markdown = table_markdown(rows, ["pass@1", "pass@4", "greedy"])
+    assert "| strong − weak | 3 |" in markdown and "★" in markdown.splitlines()[5]
+
+
+def test_two_level_bootstrap_covers_seed_noise():
+    problems = np.tile(np.linspace(0, 1, 50), (4, 1))
+    steady = problems.copy()
+    shaky = problems + np.array([[-0.2], [0.2], [-0.2], [0.2]])  # same mean, seeds disagree
+    boot = two_level_bootstrap([steady, shaky], resamples=500, seed=1)
+    width = [np.subtract(*reversed(interval(boot[:, i]))) for i in range(2)]
+    assert width[1] > width[0]
+    assert np.array_equal(boot, two_level_bootstrap([steady, shaky], resamples=500, seed=1))
+
+
+FAST = ["task.args.digits=2", "model.device=cpu", "warmup.max_steps=40", "warmup.target_accuracy=1.0",
+        "warmup.eval_every=40", "warmup.eval_problems=10", "warmup.batch_size=32", "rollout.prompts=4",
+        "rollout.group_size=4", "algo.minibatches=2", "eval.problems=8", "eval.samples=2", "eval.every=2"]
+
+
+def compare_args(results, *extra):
+    sets = [flag for item in FAST for flag in ("--set", item)]
+    return ["compare", "grpo", "atr", "--seeds", "1", "--steps", "2", "--n", "4", "--problems", "8",
+            "--results", str(results), *sets, *extra]
+
+
+def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys):
+    assert main(compare_args(tmp_path)) == 0
+    directory = tmp_path / "compare-grpo-atr"
+    for name in ("passk.md", "passk.csv", "passk.png", "training.png", "bounds.png", "report.md", "compare.json"):
+        assert (directory / name).stat().st_size > 0, name
+    for run in ("grpo-s0", "atr-s0"):
+        summary = json.loads((directory / "runs" / run / "summary.json").read_text())
+        assert summary["steps"] == 2 and summary["algo"] == run.split("-")[0]
+        assert (directory / "runs" / run / "eval" / "passk.csv").is_file()
+    recipes = {arm: (directory / "recipes" / f"{arm}.toml").read_text() for arm in ("grpo", "atr")}
+    assert recipes["grpo"].replace('loss = "grpo"', 'loss = "atr"') == recipes["atr"]  # only the loss differs
+    report = (directory / "report.md").read_text()
+    assert "atrctl compare grpo atr" in report and "| atr − grpo | 1 |" in report
+    assert "problem noise only" in report  # one seed: the report says what its intervals cover
+    assert "atr − grpo" in capsys.readouterr().out
+
+    finished = {run: (directory / "runs" / run / "summary.json").stat().st_mtime_ns for run in ("grpo-s0", "atr-s0")}
+    assert main(compare_args(tmp_path)) == 0  # the same command again: runs are reused, not retrained
+    assert {run: (directory / "runs" / run / "summary.json").stat().st_mtime_ns for run in finished} == finished
+
+    assert main(compare_args(tmp_path, "--max-kl3", "0.05")) == 2  # a different comparison under the same name
+    assert "holds a different comparison" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--n", "0"], "--n must be at least 1"), (["--seeds", "0"], "--seeds must be at least 1"),
+     (["--max-kl3", "-1"], "max_kl3")],
+)
+def test_bad_input_is_one_line(tmp_path, capsys, extra, message):
+    assert main(compare_args(tmp_path, *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "compare-grpo-atr").exists()
+
+
+def test_unknown_arm_is_one_line(tmp_path, capsys):
+    assert main(["compare", "grpo", "ppo", "--results", str(tmp_path)]) == 2
+    assert "unknown arm 'ppo'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
