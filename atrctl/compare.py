@@ -157,7 +157,7 @@ def prepare(comparison: Comparison, overwrite: bool) -> None:
     marker = comparison.directory / "compare.json"
     record = comparison.record()
     if marker.is_file():
-        if json.loads(marker.read_text()) == json.loads(json.dumps(record)):
+        if _same_record(json.loads(marker.read_text()), json.loads(json.dumps(record))):
             return  # the same comparison: finished runs are kept, interrupted ones resume
         if not overwrite:
             raise UserError(f"{comparison.directory} holds a different comparison; pick another --name "
@@ -170,6 +170,17 @@ def prepare(comparison: Comparison, overwrite: bool) -> None:
         shutil.rmtree(comparison.directory)
     comparison.directory.mkdir(parents=True, exist_ok=True)
     io.write_text(marker, json.dumps(record, indent=2) + "\n")
+
+
+def _same_record(recorded: dict, current: dict) -> bool:
+    """Whether a recorded comparison is this one; a recipe key added since then takes its default."""
+    from atrctl.config import recipe_from_dict
+
+    try:
+        recorded = {**recorded, "recipe": recipe_to_dict(recipe_from_dict(recorded["recipe"]))}
+    except (UserError, KeyError, TypeError):
+        return False
+    return recorded == current
 
 
 def write_arm_recipes(comparison: Comparison, base: str) -> dict[str, Path]:
