@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -25,25 +25,26 @@ from atrctl.errors import UserError
 
 @dataclass
 class TrainState:
-    """What, besides weights and optimiser, a resumed run needs to continue identically."""
+    """What, besides weights and optimiser, a resumed run needs to continue identically.
+
+    Rollout sampling keeps no generator state: each chunk's generator is seeded from (seed, step,
+    position) (`atrctl.batching`), so the step alone places a resumed run at any world size.
+    """
 
     step: int = 0
     bad_steps: int = 0  # consecutive steps skipped for a non-finite loss or gradient
     skipped_steps: int = 0  # all skipped steps
-    sampler_rng: list[int] = field(default_factory=list)  # torch.Generator state of rollout sampling
     torch_rng: list[int] = field(default_factory=list)
     python_rng: list = field(default_factory=list)
 
 
-def capture_rng(state: TrainState, sampler: torch.Generator) -> None:
-    state.sampler_rng = sampler.get_state().tolist()
+def capture_rng(state: TrainState) -> None:
     state.torch_rng = torch.get_rng_state().tolist()
     version, internal, gauss = random.getstate()
     state.python_rng = [version, list(internal), gauss]
 
 
-def restore_rng(state: TrainState, sampler: torch.Generator) -> None:
-    sampler.set_state(torch.tensor(state.sampler_rng, dtype=torch.uint8))
+def restore_rng(state: TrainState) -> None:
     torch.set_rng_state(torch.tensor(state.torch_rng, dtype=torch.uint8))
     version, internal, gauss = state.python_rng
     random.setstate((version, tuple(internal), gauss))
@@ -91,7 +92,9 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
         raise UserError(f"checkpoint {directory} does not match the model ({'missing' if missing else 'unexpected'} "
                         f"weights: {names}); resume with the recipe the run was started with")
     optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
-    return TrainState(**json.loads((directory / "state.json").read_text()))
+    saved = json.loads((directory / "state.json").read_text())
+    known = {f.name for f in fields(TrainState)}  # an older checkpoint also held a sampler's state: not needed
+    return TrainState(**{key: value for key, value in saved.items() if key in known})
 
 
 def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

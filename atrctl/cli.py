@@ -247,10 +247,14 @@ def train(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory of the same name.")] = False,
     tensorboard: Annotated[bool, typer.Option(help="Also write TensorBoard event files.")] = False,
     results: Annotated[Path, typer.Option(help="Results folder.")] = Path("results"),
+    nproc: Annotated[
+        int | None, typer.Option(help="Data-parallel processes: relaunches itself under torchrun \\[default: 1].")
+    ] = None,
 ) -> None:
     """Train a policy with GRPO, ATR-GRPO or another registered loss."""
     import time as clock
 
+    from atrctl import distributed
     from atrctl.config import load_recipe, recipe_of_run
 
     _quiet_libraries()
@@ -269,31 +273,61 @@ def train(
 
     from atrctl.train import TrainingStopped, check_run_directory, validate_algo
 
-    validate_algo(config)
-    check_run_directory(directory, resume is not None, overwrite)
+    if nproc is not None and (nproc < 1 or distributed.world_size() > 1):
+        raise UserError(f"--nproc {nproc}: give a count >= 1, and only outside torchrun (which sets its own)")
+    validate_algo(config, nproc)
+    main_rank = distributed.is_main()
+    if main_rank:
+        check_run_directory(directory, resume is not None, overwrite)
+    if nproc is not None and nproc > 1:
+        raise typer.Exit(distributed.relaunch(nproc, _without_nproc(_invocation[1:])))
     try:
         summary = _train_with_display(config, directory, results, resume is not None, overwrite)
     except KeyboardInterrupt:
         from atrctl.checkpoint import find_checkpoint
 
+        if not main_rank:
+            raise typer.Exit(130) from None
         if find_checkpoint(directory / "checkpoint") is None:
             stderr.print(f"interrupted before the first checkpoint: nothing to resume in {directory}")
         else:
             stderr.print(f"interrupted: checkpoint saved; continue with  atrctl train --resume {directory}")
         raise typer.Exit(130) from None
     except TrainingStopped as error:
-        stderr.print(f"error: {error}", markup=False)
+        if main_rank:
+            stderr.print(f"error: {error}", markup=False)
         raise typer.Exit(1) from None
+    if summary is None:  # a rank other than 0: it reports nothing
+        return
     base, final = summary["base"], summary["final"]
     console.print(f"done: {directory}  held-out greedy {base['eval/greedy']:.1%} → {final['eval/greedy']:.1%}, "
                   f"sampled pass@1 {base['eval/pass@1']:.1%} → {final['eval/pass@1']:.1%}")
 
 
-def _train_with_display(config, directory: Path, results: Path, resume: bool, overwrite: bool) -> dict:
-    """Run training under a rich live bar: step, reward, clip fractions, kl3, entropy, tokens/s, ETA."""
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command line minus its --nproc option, for the processes torchrun starts."""
+    out, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--nproc="):
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def _train_with_display(config, directory: Path, results: Path, resume: bool, overwrite: bool) -> dict | None:
+    """Run training under a rich live bar: step, reward, clip fractions, kl3, entropy, tokens/s, ETA.
+
+    Under torchrun only rank 0 shows it; the other ranks train silently."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from atrctl.distributed import is_main
     from atrctl.train import train as run_training
+
+    if not is_main():
+        return run_training(config, directory, results=results, resume=resume, overwrite=overwrite)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
                TimeRemainingColumn())

@@ -51,6 +51,8 @@ class ModelConfig:
     """auto, cpu or cuda."""
     dtype: str = "auto"
     """auto (bf16 on a capable GPU, else float32), float32 or bfloat16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: far less memory for ~30% more compute."""
 
 
 @dataclass
@@ -87,6 +89,9 @@ class RolloutConfig:
     """Sampling temperature; the policy's logprobs use the same one."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1 = off)."""
+    sample_batch: int = 0
+    """Most completions per sampling call, in whole groups (0 = all of a process's share at once): caps KV-cache
+    memory.  Each call's generator is seeded from (seed, step, first prompt), so the value changes the samples."""
 
 
 @dataclass
@@ -106,6 +111,9 @@ class AlgoConfig:
     minibatches: int = 4
     """Optimiser steps per pass: the batch is split into this many mini-batches of whole groups.
     All but the first are off-policy (w != 1), which is where the trust region binds."""
+    micro_batch: int = 0
+    """Most completions per forward/backward (0 = a whole mini-batch): gradients accumulate over micro-batches,
+    weighted so that the optimiser step is the same as without them, for every aggregation."""
     beta: float = 0.0
     """KL-to-reference coefficient; 0 loads no reference model."""
     kl_estimator: str = "k3"
@@ -194,7 +202,8 @@ _POSITIVE = {
     ("optim", "grad_clip"), ("eval", "every"), ("eval", "problems"), ("eval", "samples"),
     ("eval", "temperature"), ("run", "steps"), ("run", "checkpoint_every"), ("run", "max_bad_steps"),
 }
-_NON_NEGATIVE = {("algo", "beta"), ("optim", "weight_decay"), ("optim", "warmup_steps")}
+_NON_NEGATIVE = {("algo", "beta"), ("optim", "weight_decay"), ("optim", "warmup_steps"), ("algo", "micro_batch"),
+                 ("rollout", "sample_batch")}
 _FRACTIONS = {("warmup", "target_accuracy"), ("rollout", "top_p")}
 
 

@@ -3,8 +3,11 @@
 Readable top to bottom: `train` sets up, then each step samples `prompts × group_size`
 completions, scores them, turns rewards into group-relative advantages and takes
 `num_iterations × minibatches` optimiser steps with the registered policy loss.  Everything a
-resumed run needs (weights, optimiser, RNG, step) is checkpointed; the prompt order is a pure
-function of (seed, step), so the data position is the step itself.
+resumed run needs (weights, optimiser, RNG, step) is checkpointed; the prompt order and the
+sampling seeds are pure functions of (seed, step), so the data position is the step itself.
+
+Under torchrun each rank samples and trains on its share of every mini-batch (`atrctl.batching`),
+gradients are summed over ranks after each mini-batch, and rank 0 alone evaluates and writes.
 """
 
 from __future__ import annotations
@@ -22,19 +25,14 @@ from pathlib import Path
 
 import torch
 
-from atrctl import __version__, io
+from atrctl import __version__, distributed, io
 from atrctl.advantages import group_advantages
+from atrctl.batching import chunk_seed, concat_rollouts, micro_parts, parts, rank_positions, rows, sampling_chunks
 from atrctl.checkpoint import TrainState, capture_rng, find_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from atrctl.config import Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
 from atrctl.losses import POLICY_LOSSES, policy_loss
-from atrctl.sampling import (
-    Rollout,
-    completion_logprobs,
-    completion_logprobs_and_entropy,
-    decode_completions,
-    sample,
-)
+from atrctl.sampling import Rollout, completion_logprobs, completion_logprobs_and_entropy, decode_completions, sample
 from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
 from atrctl.tasks import Problem, get_task, problem_pool
 
@@ -72,14 +70,15 @@ def prompts_for_step(pool_size: int, step: int, prompts: int, seed: int) -> list
     return indices
 
 
-def validate_algo(recipe: Recipe) -> None:
-    """Fail before any work if the loss, its parameters or the batch split are wrong."""
-    algo = recipe.algo
+def validate_algo(recipe: Recipe, world: int | None = None) -> None:
+    """Fail before any work if the loss, its parameters or the batch split (over `world` ranks) are wrong."""
+    algo, world = recipe.algo, world or distributed.world_size()
     if algo.loss not in POLICY_LOSSES:
         raise UserError(f"algo.loss = '{algo.loss}' is not a registered loss; use one of {', '.join(POLICY_LOSSES)}")
-    if recipe.rollout.prompts % algo.minibatches:
+    if recipe.rollout.prompts % (algo.minibatches * world):
+        ranks = f" × {world} processes" if world > 1 else ""
         raise UserError(f"rollout.prompts ({recipe.rollout.prompts}) must be divisible by algo.minibatches "
-                        f"({algo.minibatches}) so that groups stay whole")
+                        f"({algo.minibatches}){ranks} so that groups stay whole")
     probe = torch.zeros(1, 1)
     try:
         policy_loss(probe, probe, torch.zeros(1), torch.ones(1, 1), algo=algo.loss, agg=algo.agg,
@@ -88,13 +87,39 @@ def validate_algo(recipe: Recipe) -> None:
         raise UserError(f"algo.args for '{algo.loss}': {error}") from None
 
 
-def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+def combine_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     """Merge the metrics of several optimiser steps: min/max where they are extremes, else the mean."""
     out = {}
-    for key in parts[0]:
-        values = [part[key] for part in parts]
+    for key in steps[0]:
+        values = [step[key] for step in steps]
         out[key] = min(values) if key in MIN_KEYS else max(values) if key in MAX_KEYS else sum(values) / len(values)
     return out
+
+
+def loss_normaliser(mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """What `aggregate` divides a batch's loss by, up to constants: its tokens (token-mean) or its
+    sequences with tokens (the seq- aggregations).  A micro-batch's loss times its own normaliser
+    over the whole mini-batch's is its exact share of the mini-batch loss."""
+    mask = mask.bool()
+    return mask.sum() if agg == "token-mean" else (mask.sum(dim=1) > 0).sum()
+
+
+def reduce_step_metrics(micro: list[tuple[dict[str, float], float, float]], device: torch.device) -> dict[str, float]:
+    """One optimiser step's metrics from (metrics, tokens, loss weight) of its micro-batches on every rank:
+    `loss` is the weighted sum (the mini-batch loss), extremes are min/max, the rest token-weighted means."""
+    keys = list(micro[0][0])
+    lows, highs = [k for k in keys if k in MIN_KEYS], [k for k in keys if k in MAX_KEYS]
+    means = [k for k in keys if k not in lows + highs]
+
+    def gathered(values: list[float], reduce) -> list[float]:
+        return reduce(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
+
+    sums = gathered([sum(m[k] * (weight if k == "loss" else tokens) for m, tokens, weight in micro) for k in means]
+                    + [sum(tokens for _, tokens, _ in micro)], distributed.all_sum)
+    out = {k: total if k == "loss" else total / max(sums[-1], 1.0) for k, total in zip(means, sums, strict=False)}
+    out.update(zip(lows, gathered([min(m[k] for m, _, _ in micro) for k in lows], distributed.all_min), strict=True))
+    out.update(zip(highs, gathered([max(m[k] for m, _, _ in micro) for k in highs], distributed.all_max), strict=True))
+    return {k: out[k] for k in keys}
 
 
 # ----------------------------------------------------------------- the run
@@ -114,7 +139,6 @@ class Run:
     held_out: list[Problem]
     held_out_ids: list[list[int]]
     optimizer: torch.optim.Optimizer
-    sampler: torch.Generator
     device: torch.device
     reference: torch.nn.Module | None = None
 
@@ -123,64 +147,92 @@ class Run:
 
 
 def rollout_step(run: Run, step: int) -> tuple[Rollout, torch.Tensor, list[Problem]]:
-    """Sample G completions for each of this step's prompts and score them: (rollout, rewards [P, G], problems)."""
-    cfg = run.recipe.rollout
-    picked = prompts_for_step(len(run.pool), step, cfg.prompts, run.recipe.run.seed)
-    problems = [run.pool[i] for i in picked]
-    prompt_ids = [run.pool_ids[i] for i in picked for _ in range(cfg.group_size)]
-    rollout = sample(run.model, prompt_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                     top_p=cfg.top_p, eos_id=run.tokenizer.eos_token_id, pad_id=run.tokenizer.pad_token_id,
-                     generator=run.sampler)
+    """Sample G completions for each of this rank's prompts of the step and score them:
+    (rollout, rewards [prompts on this rank, G], problems).  Chunks and seeds: `atrctl.batching`."""
+    cfg, seed = run.recipe.rollout, run.recipe.run.seed
+    picked = prompts_for_step(len(run.pool), step, cfg.prompts, seed)
+    positions = rank_positions(cfg.prompts, run.recipe.algo.minibatches, distributed.world_size(), distributed.rank())
+    problems = [run.pool[picked[p]] for p in positions]
+    pieces = []
+    run.model.eval()  # the KV cache is off in training mode under gradient checkpointing
+    for chunk in sampling_chunks(positions, cfg.group_size, cfg.sample_batch):
+        prompt_ids = [run.pool_ids[picked[p]] for p in chunk for _ in range(cfg.group_size)]
+        generator = torch.Generator(run.device).manual_seed(chunk_seed(seed, step, chunk[0]))
+        with run.autocast():
+            pieces.append(sample(run.model, prompt_ids, max_new_tokens=cfg.max_new_tokens,
+                                 temperature=cfg.temperature, top_p=cfg.top_p, eos_id=run.tokenizer.eos_token_id,
+                                 pad_id=run.tokenizer.pad_token_id, generator=generator))
+    run.model.train()
+    rollout = concat_rollouts(pieces, run.tokenizer.pad_token_id)
     texts = decode_completions(run.tokenizer, rollout)
     rewards = [run.task.score(problems[i // cfg.group_size], text).reward for i, text in enumerate(texts)]
-    return rollout, torch.tensor(rewards).view(cfg.prompts, cfg.group_size), problems
+    return rollout, torch.tensor(rewards).view(len(problems), cfg.group_size), problems
 
 
-def _rows(rollout: Rollout, rows: slice) -> Rollout:
-    return Rollout(*(getattr(rollout, f)[rows] for f in Rollout.__dataclass_fields__))
+def _logprobs(model: torch.nn.Module, rollout: Rollout, where: list[slice], temperature: float) -> torch.Tensor:
+    return torch.cat([completion_logprobs(model, rows(rollout, w), temperature) for w in where])
+
+
+def _optimiser_step(run: Run, rollout: Rollout, advantages: torch.Tensor, part: slice, old_logp, ref_logp,
+                    on_policy: bool) -> dict[str, float] | None:
+    """Accumulate one mini-batch's gradient over micro-batches and ranks, then step; None if skipped.
+
+    Each micro-batch's loss is weighted by its normaliser over the mini-batch's (summed over ranks),
+    so the summed gradient equals the single-process, whole-mini-batch gradient for every aggregation.
+    """
+    algo, cfg = run.recipe.algo, run.recipe
+    total = distributed.all_sum(loss_normaliser(rollout.completion_mask[part], algo.agg).double()).clamp(min=1)
+    run.optimizer.zero_grad(set_to_none=True)
+    micro, finite = [], True
+    for where in micro_parts(part, algo.micro_batch):
+        sub = rows(rollout, where)
+        with run.autocast():
+            logp, entropy = completion_logprobs_and_entropy(run.model, sub, cfg.rollout.temperature)
+        loss, metrics = policy_loss(
+            logp, logp.detach() if on_policy else old_logp[where], advantages[where], sub.completion_mask,
+            algo=algo.loss, agg=algo.agg, max_new_tokens=cfg.rollout.max_new_tokens,
+            ref_logp=None if ref_logp is None else ref_logp[where], beta=algo.beta,
+            kl_estimator=algo.kl_estimator, entropy=entropy if algo.entropy_coef else entropy.detach(),
+            entropy_coef=algo.entropy_coef, **algo.args)
+        if not torch.isfinite(loss):
+            finite = False
+            break
+        weight = (loss_normaliser(sub.completion_mask, algo.agg) / total).item()
+        (loss * weight).backward()
+        micro.append((metrics, float(sub.completion_mask.sum()), weight))
+    distributed.sum_gradients(run.model.parameters())
+    finite = bool(distributed.all_min(torch.tensor(float(finite), device=run.device)))
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip).item() if finite else 0.0
+    if not (finite and math.isfinite(grad_norm)):
+        run.optimizer.zero_grad(set_to_none=True)
+        return None
+    run.optimizer.step()
+    return {**reduce_step_metrics(micro, run.device), "grad_norm": grad_norm}
 
 
 def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int) -> tuple[dict[str, float], bool]:
     """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
     algo, cfg = run.recipe.algo, run.recipe
-    size = advantages.shape[0] // algo.minibatches
-    parts = [slice(i * size, (i + 1) * size) for i in range(algo.minibatches)]
+    minibatches = parts(advantages.shape[0], algo.minibatches)
+    micro = [w for part in minibatches for w in micro_parts(part, algo.micro_batch)]
     on_policy = algo.num_iterations == 1 and algo.minibatches == 1
     old_logp = ref_logp = None
     with torch.no_grad(), run.autocast():
         if not on_policy:  # the sampling policy's logprobs, with the update's numerics
-            old_logp = torch.cat([completion_logprobs(run.model, _rows(rollout, p), cfg.rollout.temperature)
-                                  for p in parts])
+            old_logp = _logprobs(run.model, rollout, micro, cfg.rollout.temperature)
         if run.reference is not None:
-            ref_logp = torch.cat([completion_logprobs(run.reference, _rows(rollout, p), cfg.rollout.temperature)
-                                  for p in parts])
+            ref_logp = _logprobs(run.reference, rollout, micro, cfg.rollout.temperature)
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.run.steps)
 
     collected, finite = [], True
     for _ in range(algo.num_iterations):
-        for part in parts:
-            sub = _rows(rollout, part)
-            with run.autocast():
-                logp, entropy = completion_logprobs_and_entropy(run.model, sub, cfg.rollout.temperature)
-            loss, metrics = policy_loss(
-                logp, logp.detach() if on_policy else old_logp[part], advantages[part], sub.completion_mask,
-                algo=algo.loss, agg=algo.agg, max_new_tokens=cfg.rollout.max_new_tokens,
-                ref_logp=None if ref_logp is None else ref_logp[part], beta=algo.beta,
-                kl_estimator=algo.kl_estimator, entropy=entropy if algo.entropy_coef else entropy.detach(),
-                entropy_coef=algo.entropy_coef, **algo.args)
-            run.optimizer.zero_grad(set_to_none=True)
-            if not torch.isfinite(loss):
+        for part in minibatches:
+            metrics = _optimiser_step(run, rollout, advantages, part, old_logp, ref_logp, on_policy)
+            if metrics is None:
                 finite = False
-                continue
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip).item()
-            if not math.isfinite(grad_norm):
-                finite = False
-                run.optimizer.zero_grad(set_to_none=True)
-                continue
-            run.optimizer.step()
-            collected.append({**metrics, "grad_norm": grad_norm})
+            else:
+                collected.append(metrics)
     metrics = combine_metrics(collected) if collected else {}
     metrics["lr"] = run.optimizer.param_groups[0]["lr"]
     return metrics, finite
@@ -202,11 +254,13 @@ def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
     """One RL step: its metrics (DESIGN.md §2 names) and whether it was finite."""
     started = time.perf_counter()
     rollout, rewards, _ = rollout_step(run, step)
-    advantages, frac_zero_std = group_advantages(rewards, run.recipe.algo.advantage)
+    advantages, _ = group_advantages(rewards, run.recipe.algo.advantage)
     sampled = time.perf_counter()
     metrics, finite = update_step(run, rollout, advantages.flatten().to(run.device), step)
     done = time.perf_counter()
-    tokens = int(rollout.completion_mask.sum())
+    rewards = distributed.all_gather(rewards.to(run.device)).cpu()  # every rank's groups, for the step's figures
+    _, frac_zero_std = group_advantages(rewards, run.recipe.algo.advantage)
+    tokens = int(distributed.all_sum(rollout.completion_mask.sum()).item())
     return {
         "step": step + 1,
         "reward/mean": rewards.mean().item(),
@@ -235,7 +289,7 @@ def environment(device: torch.device) -> dict[str, str]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"atrctl": __version__, "git_commit": commit or "unknown", "torch": torch.__version__,
             "transformers": transformers.__version__, "device": f"{device} ({name})",
-            "threads": str(torch.get_num_threads())}
+            "threads": str(torch.get_num_threads()), "processes": str(distributed.world_size())}
 
 
 def build_run(recipe: Recipe, directory: Path, results: Path,
@@ -245,12 +299,15 @@ def build_run(recipe: Recipe, directory: Path, results: Path,
 
     validate_algo(recipe)
     task = get_task(recipe.task.name, **recipe.task.args)
-    set_cpu_threads()
-    base, _ = ensure_base(recipe, results, on_warmup)
+    with distributed.main_first():  # rank 0 builds a missing base; the others then load it
+        base, _ = ensure_base(recipe, results, on_warmup)
+    set_cpu_threads(distributed.cpu_threads_per_rank())
     model, tokenizer = load_model(str(base), recipe.model.device, recipe.model.dtype)
     device = next(model.parameters()).device
     if next(model.parameters()).dtype == torch.bfloat16:
         model.float()  # master weights in float32; bf16 autocast does the arithmetic
+    if recipe.model.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     model.train()
     reference = None
     if recipe.algo.beta > 0:
@@ -260,9 +317,8 @@ def build_run(recipe: Recipe, directory: Path, results: Path,
     held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
     chat = recipe.task.chat_template
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay)
-    sampler = torch.Generator(device).manual_seed(recipe.run.seed)
     return Run(recipe, directory, model, tokenizer, task, pool, encode_prompts(tokenizer, pool, chat), held_out,
-               encode_prompts(tokenizer, held_out, chat), optimizer, sampler, device, reference)
+               encode_prompts(tokenizer, held_out, chat), optimizer, device, reference)
 
 
 # ----------------------------------------------------------------- the loop
@@ -325,22 +381,36 @@ def check_run_directory(directory: Path, resume: bool, overwrite: bool) -> None:
 
 def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), resume: bool = False,
           overwrite: bool = False, on_step: Callable[[dict[str, float]], None] | None = None,
-          on_warmup: Callable[[int, float, float | None], None] | None = None) -> dict:
+          on_warmup: Callable[[int, float, float | None], None] | None = None) -> dict | None:
     """Run (or resume) a training run in `directory`; returns the summary written to summary.json.
 
-    Everything that can fail on bad input (recipe, task, data, model) is set up before the run
-    directory is touched, so a mistake never costs an existing run.
+    Under torchrun every rank trains on its share of each step and only rank 0 writes, evaluates
+    and reports (the other ranks return None).  Everything that can fail on bad input (recipe,
+    task, data, model) is set up before the run directory is touched, so a mistake never costs an
+    existing run.
     """
-    check_run_directory(directory, resume, overwrite)
-    summary_writer = _tensorboard_writer() if recipe.run.tensorboard else None
+    from atrctl.models import resolve_device
+
+    with distributed.process_group(resolve_device(recipe.model.device)):
+        return _train(recipe, directory, results, resume, overwrite, on_step, on_warmup)
+
+
+def _train(recipe: Recipe, directory: Path, results: Path, resume: bool, overwrite: bool,
+           on_step: Callable[[dict[str, float]], None] | None,
+           on_warmup: Callable[[int, float, float | None], None] | None) -> dict | None:
+    main = distributed.is_main()
+    if main:
+        check_run_directory(directory, resume, overwrite)
+    summary_writer = _tensorboard_writer() if recipe.run.tensorboard and main else None
     run = build_run(recipe, directory, results, on_warmup)
     state = TrainState()
     checkpoint_dir = directory / "checkpoint"
-    if resume:
+    if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
         state = load_checkpoint(find_checkpoint(checkpoint_dir), run.model, run.optimizer)
-        restore_rng(state, run.sampler)
-        _keep_metrics_until(directory, state.step)
-    else:
+        restore_rng(state)
+        if main:
+            _keep_metrics_until(directory, state.step)
+    elif main:
         shutil.rmtree(directory, ignore_errors=True)  # only an approved --overwrite gets here with files
         directory.mkdir(parents=True)
         io.write_text(directory / "config.toml",
@@ -348,8 +418,9 @@ def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), r
     writer = summary_writer(str(directory / "tensorboard")) if summary_writer else None
 
     def checkpoint() -> None:
-        capture_rng(state, run.sampler)
-        save_checkpoint(checkpoint_dir, run.model, run.optimizer, state)
+        if main:
+            capture_rng(state)
+            save_checkpoint(checkpoint_dir, run.model, run.optimizer, state)
 
     def log(record: dict) -> None:
         with open(_metrics_path(directory), "a", encoding="utf-8") as handle:
@@ -361,10 +432,12 @@ def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), r
         if on_step is not None:
             on_step(record)
 
-    base_eval = _load_summary(directory).get("base") if resume else None
-    if base_eval is None:
-        base_eval = evaluate(run)
-        io.write_text(directory / "summary.json", json.dumps({"base": base_eval}, indent=2) + "\n")
+    base_eval = None
+    if main:
+        base_eval = _load_summary(directory).get("base") if resume else None
+        if base_eval is None:
+            base_eval = evaluate(run)
+            io.write_text(directory / "summary.json", json.dumps({"base": base_eval}, indent=2) + "\n")
     started = time.perf_counter()
     with _StopRequest() as stop:
         while state.step < recipe.run.steps:
@@ -376,9 +449,10 @@ def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), r
                 state.bad_steps += 1
                 state.skipped_steps += 1
             record["skipped_steps"] = state.skipped_steps
-            if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
-                record.update(evaluate(run))
-            log(record)
+            if main:
+                if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
+                    record.update(evaluate(run))
+                log(record)
             if state.bad_steps >= recipe.run.max_bad_steps:
                 checkpoint()
                 raise TrainingStopped(
@@ -386,12 +460,13 @@ def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), r
                     f"the checkpoint in {checkpoint_dir} holds the last finite weights: lower optim.lr and resume")
             if state.step % recipe.run.checkpoint_every == 0 or state.step == recipe.run.steps:
                 checkpoint()
-            if stop.signal is not None and state.step < recipe.run.steps:  # after the last step: just finish
+            stopping = distributed.all_max(torch.tensor(float(stop.signal is not None), device=run.device))
+            if stopping.item() and state.step < recipe.run.steps:  # after the last step: just finish
                 checkpoint()
                 raise KeyboardInterrupt
     if writer is not None:
         writer.close()
-    return _finish(run, state, base_eval, time.perf_counter() - started)
+    return _finish(run, state, base_eval, time.perf_counter() - started) if main else None
 
 
 def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dict:

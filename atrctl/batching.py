@@ -1,0 +1,80 @@
+"""How one step's batch is cut: prompts across ranks, sampling chunks, mini- and micro-batches.
+
+Pure functions of sizes and positions (a position is a prompt's index within the step), so a
+data-parallel run and a single-process run can be checked to cut the same batch the same way.
+
+- Global mini-batch j is the contiguous positions [j·P/M, (j+1)·P/M) at every world size; rank r
+  holds the r-th of W equal slices of each, so the union over ranks of local mini-batch j is
+  global mini-batch j and an optimiser step sees the same completions whatever W is.
+- A prompt's completions come from a sampling chunk: at most `sample_batch` completions of whole
+  groups, aligned to multiples of `sample_batch // G` positions, never crossing a rank's run.  The
+  chunk's generator is seeded by (run seed, step, first position), so the sampled tokens are a pure
+  function of the chunk: identical at every world size where each rank's run per mini-batch,
+  P/(M·W), is a multiple of the chunk size (no generator state to checkpoint either).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atrctl.sampling import Rollout
+
+
+def rank_positions(prompts: int, minibatches: int, world: int, rank: int) -> list[int]:
+    """The step positions rank `rank` samples and trains on: its slice of every global mini-batch."""
+    per_minibatch, per_rank = prompts // minibatches, prompts // (minibatches * world)
+    return [j * per_minibatch + rank * per_rank + i for j in range(minibatches) for i in range(per_rank)]
+
+
+def sampling_chunks(positions: list[int], group_size: int, sample_batch: int) -> list[list[int]]:
+    """Consecutive runs of `positions`, cut at multiples of the chunk size (0 = one chunk per run)."""
+    width = max(1, sample_batch // group_size) if sample_batch else None
+    chunks: list[list[int]] = []
+    for position in positions:
+        fresh = not chunks or position != chunks[-1][-1] + 1 or (width and position % width == 0)
+        if fresh:
+            chunks.append([position])
+        else:
+            chunks[-1].append(position)
+    return chunks
+
+
+def chunk_seed(seed: int, step: int, position: int) -> int:
+    """Seed of the generator that samples the chunk starting at `position` of step `step`."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + position) % (2**63)
+
+
+def parts(rows: int, count: int) -> list[slice]:
+    """`count` equal consecutive row slices (mini-batches of whole groups)."""
+    size = rows // count
+    return [slice(i * size, (i + 1) * size) for i in range(count)]
+
+
+def micro_parts(part: slice, micro_batch: int) -> list[slice]:
+    """A mini-batch's rows in slices of at most `micro_batch` (0 = the whole mini-batch)."""
+    step = micro_batch or part.stop - part.start
+    return [slice(start, min(start + step, part.stop)) for start in range(part.start, part.stop, step)]
+
+
+def rows(rollout: Rollout, where: slice) -> Rollout:
+    return Rollout(*(getattr(rollout, f)[where] for f in Rollout.__dataclass_fields__))
+
+
+def concat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
+    """Join rollouts sampled separately: prompts left-padded, completions right-padded to a common width."""
+    if len(pieces) == 1:
+        return pieces[0]
+    prompt = max(p.prompt_ids.shape[1] for p in pieces)
+    completion = max(p.completion_ids.shape[1] for p in pieces)
+
+    def pad(tensor: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+        extra = width - tensor.shape[1]
+        return torch.nn.functional.pad(tensor, (extra, 0) if left else (0, extra), value=value)
+
+    return Rollout(
+        torch.cat([pad(p.prompt_ids, prompt, pad_id, True) for p in pieces]),
+        torch.cat([pad(p.prompt_mask, prompt, 0, True) for p in pieces]),
+        torch.cat([pad(p.completion_ids, completion, pad_id, False) for p in pieces]),
+        torch.cat([pad(p.completion_mask, completion, 0, False) for p in pieces]),
+        torch.cat([pad(p.logprobs, completion, 0.0, False) for p in pieces]),
+    )

@@ -1,0 +1,125 @@
+"""Data parallelism under torchrun: process group, rank queries and the few collectives training needs.
+
+Every function works without a process group (a single process is world size 1), so the training
+loop has one code path.  Gradients are summed by hand after each mini-batch instead of through
+DDP: the loss is already scaled by the global normaliser (see `train.update_step`), so a plain
+sum gives exactly the single-process gradient, with no DDP wrapper around the model to unwrap for
+sampling, saving and gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT = datetime.timedelta(hours=2)  # rank 0 evaluates alone while the others wait
+
+
+def world_size() -> int:
+    """Processes in this run, from torchrun's environment (1 when not launched by it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    """Only rank 0 writes files and shows progress."""
+    return rank() == 0
+
+
+def cpu_threads_per_rank() -> int | None:
+    """This process's share of the CPUs when several ranks share a machine (None: the usual default,
+    or ATRCTL_THREADS when set)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local == 1 or os.environ.get("ATRCTL_THREADS"):
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // local)
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def process_group(device: torch.device):
+    """Join torchrun's process group for the duration (nccl on CUDA, gloo on CPU); no-op for one process."""
+    if world_size() == 1 or _active():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+    try:
+        yield
+        dist.barrier()  # leave together: a rank that exits while rank 0 still writes can abort in gloo's teardown
+    finally:
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if _active():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first():
+    """Rank 0 runs the block first (e.g. builds a cached base), the others after it is done."""
+    if not is_main():
+        barrier()
+    yield
+    if is_main():
+        barrier()
+
+
+def all_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """In place sum over ranks; returns the tensor."""
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_min(tensor: torch.Tensor) -> torch.Tensor:
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor
+
+
+def all_max(tensor: torch.Tensor) -> torch.Tensor:
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped tensors of all ranks along dim 0, in rank order."""
+    if not _active():
+        return tensor
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor.contiguous())
+    return torch.cat(out)
+
+
+def sum_gradients(parameters) -> None:
+    """Sum each parameter's gradient over ranks (a missing one counts as zeros)."""
+    if not _active():
+        return
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+
+
+def relaunch(nproc: int, argv: list[str]) -> int:
+    """Run `atrctl <argv>` in `nproc` processes under torchrun; its exit code."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "atrctl", *argv]
+    return subprocess.run(command, check=False).returncode

@@ -1,0 +1,197 @@
+"""Memory controls and data parallelism: micro-batches, sampling chunks, torchrun with 2 gloo processes.
+
+The equivalence tests compare final weights: gradient accumulation over micro-batches, and two ranks
+summing their gradients, must give the single-process optimiser steps up to float noise.  The torchrun
+runs start two Python processes each, so this module takes about a minute on 2 CPU cores.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from atrctl.bases import ensure_base
+from atrctl.batching import chunk_seed, concat_rollouts, micro_parts, parts, rank_positions, sampling_chunks
+from atrctl.config import load_recipe
+from atrctl.errors import UserError
+from atrctl.sampling import Rollout
+from atrctl.train import loss_normaliser, train, validate_algo
+
+FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
+        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10",
+        "rollout.prompts=4", "rollout.group_size=4", "eval.problems=6", "eval.samples=2", "eval.every=100",
+        "run.steps=3", "algo.minibatches=2", "algo.num_iterations=2", "algo.entropy_coef=0.01", "optim.lr=1e-3"]
+DDP = ["rollout.sample_batch=4"]  # one prompt per sampling chunk: the same chunks at 1 and 2 processes
+
+
+def recipe(*overrides):
+    return load_recipe(None, [*FAST, *overrides])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous, threads = os.environ.get("ATRCTL_THREADS"), torch.get_num_threads()
+    os.environ["ATRCTL_THREADS"] = "1"
+    yield
+    if previous is None:
+        del os.environ["ATRCTL_THREADS"]
+    else:
+        os.environ["ATRCTL_THREADS"] = previous
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("results")
+    ensure_base(recipe(), folder)
+    return folder
+
+
+def weights(directory):
+    return load_file(directory / "model" / "model.safetensors")
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=2e-5, msg=name)
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_ranks_hold_their_slice_of_every_global_minibatch():
+    prompts, minibatches = 8, 2
+    shares = [rank_positions(prompts, minibatches, 2, r) for r in range(2)]
+    assert shares == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert rank_positions(prompts, minibatches, 1, 0) == list(range(8))
+    for j in range(minibatches):  # local mini-batch j of every rank makes up global mini-batch j
+        local = [share[part] for share in shares for part in [parts(len(share), minibatches)[j]]]
+        assert sorted(p for piece in local for p in piece) == list(range(j * 4, (j + 1) * 4))
+
+
+def test_sampling_chunks_are_aligned_and_never_cross_a_run():
+    assert sampling_chunks(list(range(8)), 4, 0) == [list(range(8))]
+    assert sampling_chunks(list(range(8)), 4, 12) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert sampling_chunks([0, 1, 4, 5], 4, 0) == [[0, 1], [4, 5]]
+    assert sampling_chunks([2, 3, 6, 7], 4, 8) == [[2, 3], [6, 7]]  # the same chunks as at one process
+    assert sampling_chunks([1, 2], 4, 8) == [[1], [2]]
+    assert chunk_seed(0, 1, 2) != chunk_seed(0, 2, 1) != chunk_seed(1, 1, 2)
+
+
+def test_micro_parts_cover_the_minibatch():
+    assert micro_parts(slice(4, 14), 4) == [slice(4, 8), slice(8, 12), slice(12, 14)]
+    assert micro_parts(slice(0, 6), 0) == [slice(0, 6)]
+
+
+def test_concat_rollouts_pads_prompts_left_and_completions_right():
+    a = Rollout(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), torch.tensor([[7]]),
+                torch.ones(1, 1, dtype=torch.long), torch.tensor([[-0.5]]))
+    b = Rollout(torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.long), torch.tensor([[7, 8]]),
+                torch.ones(1, 2, dtype=torch.long), torch.tensor([[-0.1, -0.2]]))
+    joined = concat_rollouts([a, b], pad_id=0)
+    assert joined.prompt_ids.tolist() == [[5, 6], [0, 5]] and joined.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert joined.completion_ids.tolist() == [[7, 0], [7, 8]] and joined.completion_mask.tolist() == [[1, 0], [1, 1]]
+    assert joined.logprobs.tolist() == [[-0.5, 0.0], [pytest.approx(-0.1), pytest.approx(-0.2)]]
+
+
+def test_loss_normaliser_counts_tokens_or_sequences():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert loss_normaliser(mask, "token-mean") == 3
+    assert loss_normaliser(mask, "seq-mean-token-mean") == loss_normaliser(mask, "seq-mean-token-sum-norm") == 2
+
+
+def test_prompts_must_split_over_processes_and_minibatches():
+    validate_algo(recipe("rollout.prompts=4"), world=2)
+    with pytest.raises(UserError, match=r"minibatches \(2\) × 4 processes"):
+        validate_algo(recipe("rollout.prompts=4"), world=4)
+
+
+# ------------------------------------------------------------------ micro-batches
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_give_the_same_weights(results, agg):
+    """Uneven micro-batches (3 rows of a mini-batch of 8) and two off-policy passes, over 3 steps."""
+    whole = results / f"whole-{agg}"
+    micro = results / f"micro-{agg}"
+    train(recipe(f"algo.agg={agg}"), whole, results=results)
+    train(recipe(f"algo.agg={agg}", "algo.micro_batch=3"), micro, results=results)
+    assert_same_weights(weights(whole), weights(micro))
+    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+              for d in (whole, micro)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+
+
+def test_gradient_checkpointing_and_sampling_chunks_train(results):
+    """Gradient checkpointing changes no number; small sampling chunks only change which tokens are drawn."""
+    plain, checkpointed = results / "plain-chunks", results / "checkpointed-chunks"
+    train(recipe("rollout.sample_batch=4"), plain, results=results)
+    train(recipe("rollout.sample_batch=4", "model.gradient_checkpointing=true"), checkpointed, results=results)
+    assert_same_weights(weights(plain), weights(checkpointed))
+
+
+# ------------------------------------------------------------------ torchrun
+
+
+def torchrun(*args, nproc=2):
+    env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "atrctl", "train", *args]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def cli_sets(*overrides):
+    return [arg for item in (*FAST, *overrides) for arg in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def single(results):
+    """The single-process run every data-parallel run is compared with."""
+    directory = results / "single"
+    train(recipe(*DDP), directory, results=results)
+    return directory
+
+
+def test_two_processes_match_one_and_only_rank_zero_writes(results, single):
+    done = torchrun("--name", "ddp", "--results", str(results), *cli_sets(*DDP))
+    directory = results / "ddp"
+    assert_same_weights(weights(single), weights(directory))
+    assert sorted(p.name for p in directory.iterdir()) == sorted(p.name for p in single.iterdir())
+    logged = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    alone = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3]  # one writer, not one per rank
+    for ours, theirs in zip(logged, alone, strict=True):  # metrics reduced over ranks = the global figures
+        for key in ("reward/mean", "reward/std", "frac_zero_std", "len/mean", "ratio/min", "ratio/max", "entropy"):
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
+    assert done.stdout.count("done:") == 1  # only rank 0 reports
+
+
+def test_a_run_resumes_at_another_world_size(results, single):
+    directory = results / "resumed"
+
+    def stop_after_first(record):
+        if record["step"] == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe(*DDP), directory, results=results, on_step=stop_after_first)
+    assert json.loads((directory / "checkpoint" / "state.json").read_text())["step"] == 1
+    torchrun("--resume", str(directory))
+    assert_same_weights(weights(single), weights(directory))
+
+
+def test_nproc_relaunches_under_torchrun(results, single):
+    env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "atrctl", "train", "--nproc", "2", "--name", "nproc",
+                           "--results", str(results), *cli_sets(*DDP, "run.steps=1")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len((results / "nproc" / "metrics.jsonl").read_text().splitlines()) == 1

@@ -1,0 +1,69 @@
+"""The real-model recipes: they load, and one step of each runs end to end on a local stand-in.
+
+The stand-in is a tiny Qwen2 built from config with the character tokenizer and a small chat
+template, saved as an ordinary model directory; data come from the sample files in tests/data.
+Only sizes are shrunk: the recipe's task, chat template, dtype and memory settings are kept.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from atrctl.cli import main
+from atrctl.config import load_recipe
+from atrctl.models import build_char_tokenizer, build_model
+
+RECIPES = Path(__file__).parent.parent / "recipes"
+DATA = Path(__file__).parent / "data"
+CASES = {"gsm8k-qwen2.5-0.5b": DATA / "gsm8k_sample.jsonl", "math-qwen2.5-1.5b": DATA / "math_sample.jsonl"}
+CHAT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+    """A tiny Qwen2 with a chat template, in a model directory."""
+    directory = tmp_path_factory.mktemp("stand-in")
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = CHAT
+    build_model("tiny", tokenizer, arch="qwen2").save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    monkeypatch.setenv("ATRCTL_THREADS", "1")
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_recipe_loads_with_its_real_model(name):
+    recipe = load_recipe(RECIPES / f"{name}.toml")
+    assert recipe.model.base.startswith("Qwen/Qwen2.5-") and recipe.task.chat_template
+    assert recipe.model.dtype == "bfloat16" and recipe.optim.lr == 1e-6 and recipe.algo.beta == 0
+    assert recipe.rollout.group_size == 8 and recipe.rollout.temperature == 1.0 and recipe.algo.agg == "token-mean"
+    assert recipe.rollout.prompts % (recipe.algo.minibatches * 8) == 0  # splits over up to 8 processes
+
+
+def test_the_larger_recipe_saves_memory():
+    recipe = load_recipe(RECIPES / "math-qwen2.5-1.5b.toml")
+    assert recipe.model.gradient_checkpointing and recipe.algo.micro_batch and recipe.rollout.sample_batch
+    assert recipe.rollout.max_new_tokens == 1024
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_step_of_the_recipe_runs_on_a_stand_in(name, stand_in, tmp_path):
+    sets = [f"model.base={stand_in}", f"task.args.path={CASES[name]}", f"task.args.test_path={CASES[name]}",
+            "model.device=cpu", "rollout.prompts=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
+            "algo.micro_batch=3", "rollout.sample_batch=8", "eval.problems=2", "eval.samples=1", "run.steps=1"]
+    args = ["train", "--recipe", str(RECIPES / f"{name}.toml"), "--name", "run", "--results", str(tmp_path)]
+    assert main([*args, *[item for s in sets for item in ("--set", s)]]) == 0
+    run = tmp_path / "run"
+    record = json.loads((run / "metrics.jsonl").read_text())
+    assert record["step"] == 1 and "eval/greedy" in record and record["lr"] == pytest.approx(1e-7)  # warm-up 1/10
+    assert (run / "model" / "model.safetensors").is_file() and (run / "checkpoint" / "state.json").is_file()
