@@ -426,7 +426,9 @@ def evaluate(
         list[str] | None, typer.Option("--task-arg", help="Task parameter key=value, e.g. digits=2 (repeatable).")
     ] = None,
     split: Annotated[str, typer.Option(help="Problem split: test or train.")] = "test",
-    n: Annotated[int, typer.Option("--n", help="Samples per problem.")] = 256,
+    n: Annotated[
+        int, typer.Option("--n", "--samples", help="Samples per problem (--samples under torchrun, which takes --n).")
+    ] = 256,
     k: Annotated[str | None, typer.Option("--k", help=r"Comma-separated k's \[default: 1, 2, 4, ... and n].")] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature, > 0.")] = 1.0,
     problems: Annotated[int, typer.Option(help="Problems to evaluate (drawn with the run's eval.seed).")] = 200,
@@ -440,8 +442,15 @@ def evaluate(
         Path | None, typer.Option(help=r"Output folder \[default: <run>/eval, results/eval-<model>].")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing evaluation in the output folder.")] = False,
+    nproc: Annotated[
+        int | None, typer.Option(help="Data-parallel processes: relaunches itself under torchrun \\[default: 1].")
+    ] = None,
 ) -> None:
-    """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy: table, CSV, markdown and plot."""
+    """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy: table, CSV, markdown and plot.
+
+    Under torchrun (or --nproc) each process samples a share of the problems; rank 0 alone writes and prints."""
+    from atrctl import distributed
+
     if n < 1:
         raise UserError(f"--n must be at least 1 (got {n}); e.g. --n 256")
     if problems < 1:
@@ -450,15 +459,35 @@ def evaluate(
         raise UserError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     if batch_size < 1:
         raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
+    if nproc is not None and (nproc < 1 or distributed.world_size() > 1):
+        raise UserError(f"--nproc {nproc}: give a count >= 1, and only outside torchrun (which sets its own)")
     _positive(temperature, "--temperature")
     ks = _parse_ks(k, n)
     spec = _eval_target(target, task, _task_args(task_arg or []), max_new_tokens, out)
     if (spec.directory / "passk.csv").exists() and not overwrite:
         raise UserError(f"{spec.directory} already holds an evaluation; pass --overwrite to replace it "
                         f"or --out elsewhere")
+    if nproc is not None and nproc > 1:
+        raise typer.Exit(distributed.relaunch(nproc, _samples_spelled_out(_without_nproc(_invocation[1:]))))
 
+    from atrctl.models import resolve_device
+
+    with distributed.process_group(resolve_device(device)):
+        _evaluate_and_write(spec, target, split, n, ks, temperature, problems, seed, device, batch_size)
+
+
+def _samples_spelled_out(argv: list[str]) -> list[str]:
+    """--n as --samples: torchrun's own parser reads --n as an ambiguous abbreviation of its options."""
+    return ["--samples" if arg == "--n" else "--samples=" + arg[4:] if arg.startswith("--n=") else arg
+            for arg in argv]
+
+
+def _evaluate_and_write(spec: _EvalTarget, target: str, split: str, n: int, ks: list[int], temperature: float,
+                        problems: int, seed: int, device: str, batch_size: int) -> None:
+    """Sample (this process's share of) the problems; rank 0 writes the three files and prints the table."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from atrctl import distributed
     from atrctl.eval_report import write_eval
     from atrctl.evaluate import evaluate_model
     from atrctl.models import load_model, set_cpu_threads
@@ -467,16 +496,19 @@ def evaluate(
     _quiet_libraries()
     evaluated = get_task(spec.task, **spec.task_args)
     picked = evaluated.problems(split, problems, spec.problem_seed)
-    set_cpu_threads()
+    set_cpu_threads(distributed.cpu_threads_per_rank())
     model, tokenizer = load_model(spec.model, device, spec.dtype)
+    kwargs = dict(n=n, temperature=temperature, seed=seed, max_new_tokens=spec.max_new_tokens,
+                  chat_template=spec.chat_template, batch_size=batch_size)
+    if not distributed.is_main():
+        evaluate_model(model, tokenizer, evaluated, picked, **kwargs)
+        return
     columns = (TextColumn("sampling"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        bar = progress.add_task("sampling", total=len(picked))
-        result = evaluate_model(model, tokenizer, evaluated, picked, n=n, temperature=temperature, seed=seed,
-                                max_new_tokens=spec.max_new_tokens, chat_template=spec.chat_template,
-                                batch_size=batch_size,
-                                on_progress=lambda done, total: progress.update(bar, completed=done))
+        bar = progress.add_task("sampling", total=len(picked))  # this process's share once sampling starts
+        result = evaluate_model(model, tokenizer, evaluated, picked, **kwargs,
+                                on_progress=lambda done, total: progress.update(bar, completed=done, total=total))
     setting = f"{spec.task} {split}, {len(picked)} problems, n={n}, T={temperature:g}"
     try:
         paths = write_eval(result, ks, spec.directory, f"{target}: {setting}")

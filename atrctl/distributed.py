@@ -108,6 +108,22 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+def shard() -> tuple[int, int]:
+    """(rank, world size) of the joined process group; (0, 1) without one."""
+    if not _active():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (works on gloo and nccl); [obj] without a process group."""
+    if not _active():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def sum_gradients(parameters) -> None:
     """Sum each parameter's gradient over ranks (a missing one counts as zeros)."""
     if not _active():
