@@ -33,16 +33,7 @@ def recipe(*overrides):
     return load_recipe(None, [*FAST, *overrides])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous, threads = os.environ.get("ATRCTL_THREADS"), torch.get_num_threads()
-    os.environ["ATRCTL_THREADS"] = "1"
-    yield
-    if previous is None:
-        del os.environ["ATRCTL_THREADS"]
-    else:
-        os.environ["ATRCTL_THREADS"] = previous
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

@@ -25,17 +25,7 @@ FLAGS = ["--task", "arith", "--task-arg", "digits=1", "--task-arg", "ops=+-", "-
          "--n", "32", "--problems", "24", "--batch-size", "8", "--device", "cpu"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The in-process evaluation uses one thread, as each torchrun rank does here."""
-    previous, threads = os.environ.get("ATRCTL_THREADS"), torch.get_num_threads()
-    os.environ["ATRCTL_THREADS"] = "1"
-    yield
-    if previous is None:
-        del os.environ["ATRCTL_THREADS"]
-    else:
-        os.environ["ATRCTL_THREADS"] = previous
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def digit_guesser():
