@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -92,9 +92,7 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
         raise UserError(f"checkpoint {directory} does not match the model ({'missing' if missing else 'unexpected'} "
                         f"weights: {names}); resume with the recipe the run was started with")
     optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
-    saved = json.loads((directory / "state.json").read_text())
-    known = {f.name for f in fields(TrainState)}  # an older checkpoint also held a sampler's state: not needed
-    return TrainState(**{key: value for key, value in saved.items() if key in known})
+    return TrainState(**json.loads((directory / "state.json").read_text()))
 
 
 def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ sampling runs in large batches of whole problems.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -25,12 +25,8 @@ def encode_prompts(tokenizer, problems: Sequence[Problem], chat_template: bool =
 def sampled_scores(model, tokenizer, task: Task, problems: Sequence[Problem], prompt_ids: Sequence[list[int]], *,
                    samples: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                    greedy: bool = False, generator: torch.Generator | None = None,
-                   batch_size: int = 1024,
-                   on_progress: Callable[[int, int], None] | None = None) -> list[list[Score]]:
-    """`samples` scored completions per problem ([problems][samples]), sampled in batches of whole problems.
-
-    on_progress(problems done, total) is called after each batch, for a progress display.
-    """
+                   batch_size: int = 1024) -> list[list[Score]]:
+    """`samples` scored completions per problem ([problems][samples]), sampled in batches of whole problems."""
     per_batch = max(1, batch_size // samples)
     scores: list[list[Score]] = []
     was_training = model.training
@@ -44,8 +40,6 @@ def sampled_scores(model, tokenizer, task: Task, problems: Sequence[Problem], pr
         texts = decode_completions(tokenizer, rollout)
         for i, problem in enumerate(chunk):
             scores.append([task.score(problem, text) for text in texts[i * samples : (i + 1) * samples]])
-        if on_progress is not None:
-            on_progress(len(scores), len(problems))
     model.train(was_training)
     return scores
 
