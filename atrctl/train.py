@@ -20,6 +20,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,25 @@ class TrainingStopped(Exception):
 
 
 # ------------------------------------------------------------------- pure parts
+
+
+STEP_PHASES = ("rollout", "reward", "logprobs", "update")
+"""Where a step's time goes: sampling, decoding + verifying, old/reference logprobs, optimiser steps."""
+
+
+class Stopwatch:
+    """Seconds spent per named phase; `with clock("update"): ...` adds to `clock.seconds["update"]`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
 def lr_at(step: int, lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
@@ -146,26 +166,29 @@ class Run:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
 
-def rollout_step(run: Run, step: int) -> tuple[Rollout, torch.Tensor, list[Problem]]:
+def rollout_step(run: Run, step: int, clock: Stopwatch | None = None) -> tuple[Rollout, torch.Tensor, list[Problem]]:
     """Sample G completions for each of this rank's prompts of the step and score them:
     (rollout, rewards [prompts on this rank, G], problems).  Chunks and seeds: `atrctl.batching`."""
+    clock = clock or Stopwatch()
     cfg, seed = run.recipe.rollout, run.recipe.run.seed
     picked = prompts_for_step(len(run.pool), step, cfg.prompts, seed)
     positions = rank_positions(cfg.prompts, run.recipe.algo.minibatches, distributed.world_size(), distributed.rank())
     problems = [run.pool[picked[p]] for p in positions]
     pieces = []
-    run.model.eval()  # the KV cache is off in training mode under gradient checkpointing
-    for chunk in sampling_chunks(positions, cfg.group_size, cfg.sample_batch):
-        prompt_ids = [run.pool_ids[picked[p]] for p in chunk for _ in range(cfg.group_size)]
-        generator = torch.Generator(run.device).manual_seed(chunk_seed(seed, step, chunk[0]))
-        with run.autocast():
-            pieces.append(sample(run.model, prompt_ids, max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, top_p=cfg.top_p, eos_id=run.tokenizer.eos_token_id,
-                                 pad_id=run.tokenizer.pad_token_id, generator=generator))
-    run.model.train()
-    rollout = concat_rollouts(pieces, run.tokenizer.pad_token_id)
-    texts = decode_completions(run.tokenizer, rollout)
-    rewards = [run.task.score(problems[i // cfg.group_size], text).reward for i, text in enumerate(texts)]
+    with clock("rollout"):
+        run.model.eval()  # the KV cache is off in training mode under gradient checkpointing
+        for chunk in sampling_chunks(positions, cfg.group_size, cfg.sample_batch):
+            prompt_ids = [run.pool_ids[picked[p]] for p in chunk for _ in range(cfg.group_size)]
+            generator = torch.Generator(run.device).manual_seed(chunk_seed(seed, step, chunk[0]))
+            with run.autocast():
+                pieces.append(sample(run.model, prompt_ids, max_new_tokens=cfg.max_new_tokens,
+                                     temperature=cfg.temperature, top_p=cfg.top_p, eos_id=run.tokenizer.eos_token_id,
+                                     pad_id=run.tokenizer.pad_token_id, generator=generator))
+        run.model.train()
+        rollout = concat_rollouts(pieces, run.tokenizer.pad_token_id)
+    with clock("reward"):
+        texts = decode_completions(run.tokenizer, rollout)
+        rewards = [run.task.score(problems[i // cfg.group_size], text).reward for i, text in enumerate(texts)]
     return rollout, torch.tensor(rewards).view(len(problems), cfg.group_size), problems
 
 
@@ -210,14 +233,15 @@ def _optimiser_step(run: Run, rollout: Rollout, advantages: torch.Tensor, part: 
     return {**reduce_step_metrics(micro, run.device), "grad_norm": grad_norm}
 
 
-def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int) -> tuple[dict[str, float], bool]:
+def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int,
+                clock: Stopwatch | None = None) -> tuple[dict[str, float], bool]:
     """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
-    algo, cfg = run.recipe.algo, run.recipe
+    algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch()
     minibatches = parts(advantages.shape[0], algo.minibatches)
     micro = [w for part in minibatches for w in micro_parts(part, algo.micro_batch)]
     on_policy = algo.num_iterations == 1 and algo.minibatches == 1
     old_logp = ref_logp = None
-    with torch.no_grad(), run.autocast():
+    with clock("logprobs"), torch.no_grad(), run.autocast():
         if not on_policy:  # the sampling policy's logprobs, with the update's numerics
             old_logp = _logprobs(run.model, rollout, micro, cfg.rollout.temperature)
         if run.reference is not None:
@@ -226,13 +250,14 @@ def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int)
         group["lr"] = lr_at(step, cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.run.steps)
 
     collected, finite = [], True
-    for _ in range(algo.num_iterations):
-        for part in minibatches:
-            metrics = _optimiser_step(run, rollout, advantages, part, old_logp, ref_logp, on_policy)
-            if metrics is None:
-                finite = False
-            else:
-                collected.append(metrics)
+    with clock("update"):
+        for _ in range(algo.num_iterations):
+            for part in minibatches:
+                metrics = _optimiser_step(run, rollout, advantages, part, old_logp, ref_logp, on_policy)
+                if metrics is None:
+                    finite = False
+                else:
+                    collected.append(metrics)
     metrics = combine_metrics(collected) if collected else {}
     metrics["lr"] = run.optimizer.param_groups[0]["lr"]
     return metrics, finite
@@ -251,16 +276,16 @@ def evaluate(run: Run) -> dict[str, float]:
 
 
 def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
-    """One RL step: its metrics (DESIGN.md §2 names) and whether it was finite."""
+    """One RL step: its metrics (DESIGN.md §2 names, plus where the time went) and whether it was finite."""
+    clock = Stopwatch()
     started = time.perf_counter()
-    rollout, rewards, _ = rollout_step(run, step)
+    rollout, rewards, _ = rollout_step(run, step, clock)
     advantages, _ = group_advantages(rewards, run.recipe.algo.advantage)
-    sampled = time.perf_counter()
-    metrics, finite = update_step(run, rollout, advantages.flatten().to(run.device), step)
-    done = time.perf_counter()
+    metrics, finite = update_step(run, rollout, advantages.flatten().to(run.device), step, clock)
     rewards = distributed.all_gather(rewards.to(run.device)).cpu()  # every rank's groups, for the step's figures
     _, frac_zero_std = group_advantages(rewards, run.recipe.algo.advantage)
     tokens = int(distributed.all_sum(rollout.completion_mask.sum()).item())
+    seconds = time.perf_counter() - started
     return {
         "step": step + 1,
         "reward/mean": rewards.mean().item(),
@@ -268,9 +293,9 @@ def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
         "frac_zero_std": frac_zero_std,
         "len/mean": tokens / rewards.numel(),
         **metrics,
-        "time/rollout": sampled - started,
-        "time/update": done - sampled,
-        "tokens_per_s": tokens / (done - started),
+        **{f"time/{phase}": clock.seconds.get(phase, 0.0) for phase in STEP_PHASES},
+        "time/step": seconds,
+        "tokens_per_s": tokens / seconds,
     }, finite
 
 

@@ -38,8 +38,8 @@ FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup
 
 METRICS = ("reward/mean", "reward/std", "frac_zero_std", "len/mean", "clip/low", "clip/high", "clip/region",
            "kl3/mean", "kl3/max", "ratio/min", "ratio/max", "entropy", "loss", "grad_norm", "lr", "time/rollout",
-           "time/update", "tokens_per_s")
-TIMING = ("time/rollout", "time/update", "tokens_per_s", "train_seconds_this_session")
+           "time/reward", "time/logprobs", "time/update", "time/step", "tokens_per_s")
+TIMING = ("time/rollout", "time/reward", "time/logprobs", "time/update", "time/step", "tokens_per_s", "train_seconds_this_session")
 
 
 def recipe(*overrides):

@@ -1,0 +1,203 @@
+"""atrctl's GRPO step against TRL's GRPOTrainer doing the same work: steps/s, tokens/s, their ratio.
+
+Not a test. Both sides get the same model directory (one freshly initialised preset, identical
+weights), the same prompts in the same order (atrctl's seeded order, fed to TRL unshuffled), the
+same group size, max_new_tokens, mini-batches per rollout (TRL's steps_per_generation), μ, AdamW
+settings and loss: atr's interval as TRL's epsilon / epsilon_high with loss_type="dapo" (the same
+token-mean clipped surrogate).  Each side runs in its own process, N steps after a few unmeasured
+ones; pairs alternate which side goes first, and the ratio is taken within each pair.
+
+One "step" is one rollout batch and its optimiser steps (`minibatches` of them), on both sides.
+TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
+
+    python benchmarks/vs_trl.py                         # tiny, default recipe batch, 5 pairs
+    python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULT = "RESULT "  # a worker's last stdout line: this marker and a JSON object
+PHASES = ("rollout", "reward", "logprobs", "update")
+
+
+def recipe_for(args: argparse.Namespace):
+    from atrctl.config import load_recipe
+
+    return load_recipe("recipes/default.toml", [
+        f"model.base={args.model_dir}", f"model.device={args.device}", f"algo.loss={args.algo}",
+        f"rollout.prompts={args.prompts}", f"rollout.group_size={args.group_size}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"algo.minibatches={args.minibatches}",
+        f"algo.num_iterations={args.num_iterations}", f"run.steps={args.warmup + args.steps}"])
+
+
+def atrctl_worker(args: argparse.Namespace) -> dict:
+    from atrctl.train import build_run, train_step
+
+    recipe = recipe_for(args)
+    run = build_run(recipe, Path(args.scratch) / "atrctl-run", Path(args.scratch))
+    steps = []
+    for step in range(args.warmup + args.steps):
+        record, _ = train_step(run, step)
+        if step >= args.warmup:
+            steps.append({"seconds": record["time/step"], "tokens": record["len/mean"] * args.prompts * args.group_size,
+                          **{phase: record[f"time/{phase}"] for phase in PHASES}})
+    return {"steps": steps}
+
+
+def trl_worker(args: argparse.Namespace) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from atrctl.divergence import trust_region
+    from atrctl.tasks import get_task, problem_pool
+    from atrctl.train import PROMPT_POOL, prompts_for_step
+
+    recipe = recipe_for(args)
+    task = get_task(recipe.task.name, **recipe.task.args)
+    pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
+    total = args.warmup + args.steps
+    order = [i for step in range(total) for i in prompts_for_step(len(pool), step, args.prompts, recipe.run.seed)]
+    dataset = Dataset.from_dict({"prompt": [pool[i].prompt for i in order], "index": order})
+    tokens = []
+
+    def reward(completions, completion_ids, index, **_):
+        tokens.append(sum(len(ids) for ids in completion_ids))  # EOS included, as atrctl's completion mask
+        return [task.score(pool[i], text).reward for i, text in zip(index, completions, strict=True)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_step_end(self, *_, **__):
+            self.ends.append(time.perf_counter())
+
+    low, high = trust_region(args.algo, **({"max_kl3": args.max_kl3} if args.algo == "atr" else {}))
+    cuda = args.device == "cuda"
+    config = GRPOConfig(
+        output_dir=str(Path(args.scratch) / "trl-run"), use_cpu=not cuda, bf16=cuda, seed=recipe.run.seed,
+        per_device_train_batch_size=args.prompts // args.minibatches * args.group_size,
+        gradient_accumulation_steps=1, steps_per_generation=args.minibatches, num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens, num_iterations=args.num_iterations, max_steps=total * args.minibatches,
+        temperature=recipe.rollout.temperature, top_p=recipe.rollout.top_p, top_k=0,
+        learning_rate=recipe.optim.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        weight_decay=recipe.optim.weight_decay, max_grad_norm=recipe.optim.grad_clip, gradient_checkpointing=False,
+        beta=0.0, loss_type="dapo", epsilon=1.0 - low, epsilon_high=high - 1.0, scale_rewards="group",
+        shuffle_dataset=False, save_strategy="no", report_to="none", logging_steps=10**9, disable_tqdm=True,
+        dataloader_num_workers=0)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    ends = clock.ends[args.minibatches - 1 :: args.minibatches]  # the last optimiser step of each rollout
+    seconds = [b - a for a, b in zip(ends, ends[1:], strict=False)]  # step k > 0: end(k) - end(k-1)
+    return {"steps": [{"seconds": s, "tokens": tokens[k + 1]} for k, s in enumerate(seconds) if k + 1 >= args.warmup]}
+
+
+def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict:
+    command = [sys.executable, __file__, "--worker", side, "--model-dir", str(model_dir), "--scratch", str(scratch),
+               *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k not in {"worker", "model_dir", "scratch", "pairs", "threads", "preset"}]]
+    env = {**os.environ, "ATRCTL_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads),
+           "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode or not lines:
+        sys.exit(f"{side} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def rates(result: dict) -> tuple[float, float]:
+    """(steps/s from the median step time, tokens/s over all measured steps)."""
+    steps = result["steps"]
+    return (1.0 / statistics.median(s["seconds"] for s in steps),
+            sum(s["tokens"] for s in steps) / sum(s["seconds"] for s in steps))
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def breakdown(results: list[dict]) -> list[tuple[str, float]]:
+    """Mean seconds per step in each phase over every measured atrctl step; 'other' is the rest of the step."""
+    steps = [s for result in results for s in result["steps"]]
+    mean = {phase: statistics.fmean(s[phase] for s in steps) for phase in PHASES}
+    total = statistics.fmean(s["seconds"] for s in steps)
+    return [*mean.items(), ("other", total - sum(mean.values())), ("step", total)]
+
+
+def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
+    ours = [rates(pair["atrctl"]) for pair in pairs]
+    theirs = [rates(pair["trl"]) for pair in pairs]
+    print(f"\n{args.preset}, {args.prompts} prompts x {args.group_size}, max_new_tokens {args.max_new_tokens}, "
+          f"{args.minibatches} mini-batches, mu {args.num_iterations}, loss {args.algo}, {args.threads} threads, "
+          f"{args.device}; {len(pairs)} pairs x {args.steps} steps (median [min, max] over pairs)")
+    print(f"| {'':7} | {'steps/s':>20} | {'tokens/s':>26} |")
+    print(f"|{'-' * 9}|{'-' * 22}|{'-' * 28}|")
+    print(f"| {'atrctl':7} | {spread([s for s, _ in ours]):>20} | {spread([t for _, t in ours]):>26} |")
+    print(f"| {'TRL':7} | {spread([s for s, _ in theirs]):>20} | {spread([t for _, t in theirs]):>26} |")
+    print(f"| {'ratio':7} | {spread([a[0] / b[0] for a, b in zip(ours, theirs, strict=True)]):>20} | "
+          f"{spread([a[1] / b[1] for a, b in zip(ours, theirs, strict=True)]):>26} |")
+    print("\natrctl step breakdown (mean ms per step, share)")
+    rows = breakdown([pair["atrctl"] for pair in pairs])
+    for phase, seconds in rows:
+        print(f"  {phase:9} {seconds * 1e3:9.1f} ms {seconds / rows[-1][1]:6.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--algo", default="atr", choices=["atr", "grpo"])
+    parser.add_argument("--max-kl3", type=float, default=0.1)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--minibatches", type=int, default=4)
+    parser.add_argument("--num-iterations", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per process")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--worker", choices=["atrctl", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = (atrctl_worker if args.worker == "atrctl" else trl_worker)(args)
+        print(RESULT + json.dumps(result), flush=True)
+        return
+
+    from atrctl.models import build_char_tokenizer, build_model
+
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        model_dir = scratch / args.preset
+        tokenizer = build_char_tokenizer()
+        build_model(args.preset, tokenizer, seed=0).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        pairs = []
+        for pair in range(args.pairs):
+            order = ("atrctl", "trl") if pair % 2 == 0 else ("trl", "atrctl")
+            pairs.append({side: run_worker(side, args, model_dir, scratch / f"{pair}-{side}") for side in order})
+            a, t = rates(pairs[-1]["atrctl"]), rates(pairs[-1]["trl"])
+            print(f"pair {pair + 1}: atrctl {a[0]:.2f} steps/s, TRL {t[0]:.2f} steps/s, ratio {a[0] / t[0]:.2f}",
+                  flush=True)
+        report(args, pairs)
+
+
+if __name__ == "__main__":
+    main()
