@@ -111,6 +111,12 @@ class AlgoConfig:
     minibatches: int = 4
     """Optimiser steps per pass: the batch is split into this many mini-batches of whole groups.
     All but the first are off-policy (w != 1), which is where the trust region binds."""
+    old_logprobs: str = "auto"
+    """Where the sampling policy's logprobs (the ratio's denominator) come from: "sampler" keeps the ones the
+    rollout computed token by token (no extra forward pass); "recompute" runs a full no-grad forward pass
+    with the update's numerics; "auto" = sampler in float32, recompute under bf16 autocast, where the
+    KV-cache decode and the full pass differ by more than float noise.  Only read when the update is
+    off-policy (several mini-batches or μ > 1)."""
     micro_batch: int = 0
     """Most completions per forward/backward (0 = a whole mini-batch): gradients accumulate over micro-batches,
     weighted so that the optimiser step is the same as without them, for every aggregation."""
@@ -193,6 +199,7 @@ _CHOICES = {
     ("algo", "advantage"): ("grpo", "drgrpo", "rloo"),
     ("algo", "agg"): ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     ("algo", "kl_estimator"): ("k1", "k2", "k3"),
+    ("algo", "old_logprobs"): ("auto", "sampler", "recompute"),
     ("optim", "schedule"): ("constant", "cosine"),
 }
 _POSITIVE = {

@@ -82,10 +82,13 @@ def sample(
     eos_id: int,
     pad_id: int,
     generator: torch.Generator | None = None,
+    repeats: int = 1,
 ) -> Rollout:
-    """Sample one completion per prompt, stopping once every row has emitted EOS.
+    """Sample `repeats` completions per prompt (rows prompt-major), stopping once every row has emitted EOS.
 
-    Same `generator` state, same tokens. The generator must live on the model's device.
+    A GRPO group shares its prompt, so the prompt's forward pass (the prefill) runs once per distinct
+    prompt and its KV cache is copied to the group's rows.  Same `generator` state, same tokens.
+    The generator must live on the model's device.
     """
     from transformers import DynamicCache
 
@@ -98,22 +101,28 @@ def sample(
 
     device = model.device
     prompt, prompt_mask = left_pad(prompt_ids, pad_id, device)
-    tokens, logprobs = [], []
-    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
-    ids, mask, positions = prompt, prompt_mask, position_ids(prompt_mask)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        for _ in range(max_new_tokens):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
-            token, logp = _next_token(out.logits[:, -1], temperature, top_p, greedy, generator)
+        positions = position_ids(prompt_mask)
+        logits = model(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, cache=cache,
+                       logits_to_keep=1).logits[:, -1]
+        if repeats > 1:
+            cache.batch_repeat_interleave(repeats)
+            prompt, prompt_mask, positions, logits = (
+                t.repeat_interleave(repeats, dim=0) for t in (prompt, prompt_mask, positions, logits))
+        tokens, logprobs, mask = [], [], prompt_mask
+        done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
+        for produced in range(1, max_new_tokens + 1):
+            token, logp = _next_token(logits, temperature, top_p, greedy, generator)
             tokens.append(torch.where(done, pad_id, token))
             logprobs.append(logp.masked_fill(done, 0.0))
             done = done | (token == eos_id)
-            if bool(done.all()):
+            if produced == max_new_tokens or bool(done.all()):
                 break
-            ids = tokens[-1][:, None]
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
+            mask = torch.cat([mask, torch.ones_like(done[:, None], dtype=mask.dtype)], dim=-1)
             positions = positions[:, -1:] + 1
+            logits = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions, cache=cache,
+                           logits_to_keep=1).logits[:, -1]
 
     completion_ids = torch.stack(tokens, dim=1)
     is_eos = (completion_ids == eos_id).long()
@@ -123,12 +132,37 @@ def sample(
 
 
 def _completion_logits(model: PreTrainedModel, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """Float32 logits / temperature at the positions that predict each completion token: [B, T, V]."""
-    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
-    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
-    width = rollout.completion_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=width + 1)
-    return logits.logits[:, :-1].float() / temperature
+    """Float32 logits / temperature at the positions that predict each completion token: [B, T, V].
+
+    Rows of a GRPO group share their prompt, so the prompt runs through the model once per distinct
+    prompt (consecutive equal rows) and its KV cache, graph included, is indexed out to each row;
+    the completions then run on top of it.  Same function as one pass over prompt + completion (the
+    gradient reaches the prompt's activations through the cache), with the prompt's share of the
+    work divided by G.  Activation checkpointing turns the cache off, so it gets the single pass.
+    """
+    from transformers import DynamicCache
+
+    prompt, prompt_mask, completion = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
+    mask = torch.cat([prompt_mask, rollout.completion_mask], dim=1)
+    positions = position_ids(mask)
+    distinct, counts = torch.unique_consecutive(prompt, dim=0, return_counts=True)
+    if distinct.shape[0] == prompt.shape[0] or getattr(model, "is_activation_checkpointing", False):
+        ids = torch.cat([prompt, completion], dim=1)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                       logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+        return logits.float() / temperature
+    first_rows = counts.cumsum(0) - counts
+    cache = DynamicCache(config=model.config)
+    head = model(input_ids=distinct, attention_mask=prompt_mask[first_rows], position_ids=positions[first_rows, :
+                 prompt.shape[1]], cache=cache, logits_to_keep=1).logits[:, -1]
+    owner = torch.repeat_interleave(torch.arange(distinct.shape[0], device=prompt.device), counts)
+    cache.batch_select_indices(owner)
+    logits = [head[owner][:, None]]  # the prompt's last position predicts the first completion token
+    if completion.shape[1] > 1:
+        width = prompt.shape[1] + completion.shape[1] - 1
+        logits.append(model(input_ids=completion[:, :-1], attention_mask=mask[:, :width],
+                            position_ids=positions[:, prompt.shape[1] : width], cache=cache).logits)
+    return torch.cat(logits, dim=1).float() / temperature
 
 
 def completion_logprobs(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
@@ -142,15 +176,17 @@ def completion_logprobs(model: PreTrainedModel, rollout: Rollout, temperature: f
 
 
 def completion_logprobs_and_entropy(
-    model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0
+    model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy of the sampling distribution) per completion token, both [B, T], 0 where masked.
 
-    The entropy shares the forward pass; it carries a gradient, for an entropy bonus.
+    The entropy shares the forward pass.  It carries a gradient (for an entropy bonus) only when
+    `entropy_grad`: otherwise autograd would keep a [B, T, vocab] tensor alive for nothing.
     """
     logp_all = torch.log_softmax(_completion_logits(model, rollout, temperature), -1)
     logp = logp_all.gather(-1, rollout.completion_ids[..., None])[..., 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp * rollout.completion_mask, entropy * rollout.completion_mask
 
 

@@ -33,10 +33,9 @@ def sampled_scores(model, tokenizer, task: Task, problems: Sequence[Problem], pr
     model.eval()
     for start in range(0, len(problems), per_batch):
         chunk = problems[start : start + per_batch]
-        ids = [prompt for prompt in prompt_ids[start : start + per_batch] for _ in range(samples)]
-        rollout = sample(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                         greedy=greedy, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                         generator=generator)
+        rollout = sample(model, list(prompt_ids[start : start + per_batch]), max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, greedy=greedy, eos_id=tokenizer.eos_token_id,
+                         pad_id=tokenizer.pad_token_id, generator=generator, repeats=samples)
         texts = decode_completions(tokenizer, rollout)
         for i, problem in enumerate(chunk):
             scores.append([task.score(problem, text) for text in texts[i * samples : (i + 1) * samples]])

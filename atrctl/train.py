@@ -107,6 +107,15 @@ def validate_algo(recipe: Recipe, world: int | None = None) -> None:
         raise UserError(f"algo.args for '{algo.loss}': {error}") from None
 
 
+def recomputes_old_logprobs(setting: str, device: torch.device) -> bool:
+    """Whether the ratio's denominator needs its own forward pass (see `AlgoConfig.old_logprobs`).
+
+    In float32 the sampler's KV-cache logprobs equal a full forward pass's to ~1e-6 (tested), so
+    reusing them saves a forward pass over the whole batch; bf16 autocast (CUDA) differs by far more.
+    """
+    return setting == "recompute" or (setting == "auto" and device.type == "cuda")
+
+
 def combine_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     """Merge the metrics of several optimiser steps: min/max where they are extremes, else the mean."""
     out = {}
@@ -178,12 +187,12 @@ def rollout_step(run: Run, step: int, clock: Stopwatch | None = None) -> tuple[R
     with clock("rollout"):
         run.model.eval()  # the KV cache is off in training mode under gradient checkpointing
         for chunk in sampling_chunks(positions, cfg.group_size, cfg.sample_batch):
-            prompt_ids = [run.pool_ids[picked[p]] for p in chunk for _ in range(cfg.group_size)]
             generator = torch.Generator(run.device).manual_seed(chunk_seed(seed, step, chunk[0]))
             with run.autocast():
-                pieces.append(sample(run.model, prompt_ids, max_new_tokens=cfg.max_new_tokens,
-                                     temperature=cfg.temperature, top_p=cfg.top_p, eos_id=run.tokenizer.eos_token_id,
-                                     pad_id=run.tokenizer.pad_token_id, generator=generator))
+                pieces.append(sample(run.model, [run.pool_ids[picked[p]] for p in chunk],
+                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                     eos_id=run.tokenizer.eos_token_id, pad_id=run.tokenizer.pad_token_id,
+                                     generator=generator, repeats=cfg.group_size))
         run.model.train()
         rollout = concat_rollouts(pieces, run.tokenizer.pad_token_id)
     with clock("reward"):
@@ -210,12 +219,13 @@ def _optimiser_step(run: Run, rollout: Rollout, advantages: torch.Tensor, part: 
     for where in micro_parts(part, algo.micro_batch):
         sub = rows(rollout, where)
         with run.autocast():
-            logp, entropy = completion_logprobs_and_entropy(run.model, sub, cfg.rollout.temperature)
+            logp, entropy = completion_logprobs_and_entropy(run.model, sub, cfg.rollout.temperature,
+                                                            entropy_grad=bool(algo.entropy_coef))
         loss, metrics = policy_loss(
             logp, logp.detach() if on_policy else old_logp[where], advantages[where], sub.completion_mask,
             algo=algo.loss, agg=algo.agg, max_new_tokens=cfg.rollout.max_new_tokens,
             ref_logp=None if ref_logp is None else ref_logp[where], beta=algo.beta,
-            kl_estimator=algo.kl_estimator, entropy=entropy if algo.entropy_coef else entropy.detach(),
+            kl_estimator=algo.kl_estimator, entropy=entropy,
             entropy_coef=algo.entropy_coef, **algo.args)
         if not torch.isfinite(loss):
             finite = False
@@ -242,8 +252,10 @@ def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int,
     on_policy = algo.num_iterations == 1 and algo.minibatches == 1
     old_logp = ref_logp = None
     with clock("logprobs"), torch.no_grad(), run.autocast():
-        if not on_policy:  # the sampling policy's logprobs, with the update's numerics
+        if not on_policy and recomputes_old_logprobs(algo.old_logprobs, run.device):
             old_logp = _logprobs(run.model, rollout, micro, cfg.rollout.temperature)
+        elif not on_policy:
+            old_logp = rollout.logprobs
         if run.reference is not None:
             ref_logp = _logprobs(run.reference, rollout, micro, cfg.rollout.temperature)
     for group in run.optimizer.param_groups:
@@ -341,7 +353,9 @@ def build_run(recipe: Recipe, directory: Path, results: Path,
     pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
     held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
     chat = recipe.task.chat_template
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay)
+    # The fused kernel (CPU and CUDA) updates every tensor in one pass: ~6x faster than the per-tensor loop.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay,
+                                  fused=True)
     return Run(recipe, directory, model, tokenizer, task, pool, encode_prompts(tokenizer, pool, chat), held_out,
                encode_prompts(tokenizer, held_out, chat), optimizer, device, reference)
 

@@ -107,15 +107,17 @@ def test_greedy_is_the_step_by_step_argmax_without_cache(model, tokenizer, promp
             ids.append(token)
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
-def test_logprobs_match_a_full_forward_pass(model, tokenizer, prompts, temperature, top_p):
-    """Old logprobs from sampling and new ones from training must agree: w = 1 on the first update."""
+@pytest.mark.parametrize(("temperature", "top_p", "repeats"), [(1.0, 1.0, 1), (0.7, 0.9, 1), (0.7, 1.0, 3)])
+def test_logprobs_match_a_full_forward_pass(model, tokenizer, prompts, temperature, top_p, repeats):
+    """Old logprobs from sampling and new ones from training must agree: w = 1 on the first update.
+    With repeats, both sides share each prompt's work across its group."""
     with eos_bias(model, tokenizer, 2.0):
-        rollout = run(model, tokenizer, prompts, temperature=temperature, top_p=top_p)
+        rollout = run(model, tokenizer, prompts, temperature=temperature, top_p=top_p, repeats=repeats)
         with torch.no_grad():
             padded = completion_logprobs(model, rollout, temperature=temperature)
         torch.testing.assert_close(padded, rollout.logprobs, atol=1e-5, rtol=0)
-        for row, ids in enumerate(prompts):  # and each row alone, unpadded, without cache
+        rows = [ids for ids in prompts for _ in range(repeats)]
+        for row, ids in enumerate(rows):  # and each row alone, unpadded, without cache
             n = int(rollout.completion_mask[row].sum())
             completion = rollout.completion_ids[row, :n].tolist()
             with torch.no_grad():
@@ -178,3 +180,64 @@ def test_rollout_tensors_can_enter_a_training_graph(model, tokenizer, prompts):
     (ratio * rollout.logprobs * rollout.completion_mask).sum().backward()
     assert model.lm_head.weight.grad is not None
     model.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------- groups share their prompt's work
+
+
+def test_repeats_share_the_prefill_and_sample_like_repeated_prompts(model, tokenizer, prompts):
+    """One prefill per distinct prompt, copied to its G rows, samples what G copies of the prompt would."""
+    group = 4
+    with eos_bias(model, tokenizer, 1.0):
+        shared = run(model, tokenizer, prompts, repeats=group)
+        copied = run(model, tokenizer, [ids for ids in prompts for _ in range(group)])
+    assert shared.completion_ids.shape[0] == len(prompts) * group
+    assert torch.equal(shared.prompt_ids, copied.prompt_ids) and torch.equal(shared.prompt_mask, copied.prompt_mask)
+    assert torch.equal(shared.completion_ids, copied.completion_ids)
+    assert torch.equal(shared.completion_mask, copied.completion_mask)
+    torch.testing.assert_close(shared.logprobs, copied.logprobs, atol=1e-5, rtol=0)
+    assert len({tuple(row) for row in shared.completion_ids[:group].tolist()}) > 1  # the group's samples differ
+
+
+def grouped_rollout(model, tokenizer, prompts, group=3):
+    with eos_bias(model, tokenizer, 1.0):
+        return run(model, tokenizer, prompts, repeats=group, max_new_tokens=10)
+
+
+def logprobs_and_grad(model, rollout, weights):
+    """Logprobs of the rollout and the gradient of sum(weights * logprobs) w.r.t. every parameter."""
+    model.zero_grad(set_to_none=True)
+    logp = completion_logprobs(model, rollout)
+    (logp * weights).sum().backward()
+    return logp.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_shared_prompt_pass_equals_one_pass_per_row_in_value_and_gradient(tokenizer, prompts):
+    """The training pass runs a group's prompt once and its completions on the cached prompt: same
+    function as a full pass per row, so the same logprobs and the same gradient (float noise aside)."""
+    model = build_model("tiny", tokenizer, seed=3).train()
+    rollout = grouped_rollout(model, tokenizer, prompts)
+    weights = torch.randn(rollout.completion_ids.shape, generator=torch.Generator().manual_seed(1))
+    shared, shared_grad = logprobs_and_grad(model, rollout, weights)
+    alone, alone_grad = [], [torch.zeros_like(p) for p in model.parameters()]
+    for row in range(rollout.completion_ids.shape[0]):  # one row: nothing to share, the plain full pass
+        part = Rollout(*(getattr(rollout, f)[row : row + 1] for f in Rollout.__dataclass_fields__))
+        logp, grad = logprobs_and_grad(model, part, weights[row : row + 1])
+        alone.append(logp)
+        alone_grad = [a + g for a, g in zip(alone_grad, grad, strict=True)]
+    torch.testing.assert_close(shared, torch.cat(alone), atol=1e-5, rtol=0)
+    for got, want in zip(shared_grad, alone_grad, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert max(g.abs().max().item() for g in shared_grad) > 1e-3  # a real gradient was compared
+
+
+def test_activation_checkpointing_takes_the_single_pass_with_the_same_result(tokenizer, prompts):
+    model = build_model("tiny", tokenizer, seed=3).train()
+    rollout = grouped_rollout(model, tokenizer, prompts)
+    weights = torch.ones(rollout.completion_ids.shape)
+    plain, plain_grad = logprobs_and_grad(model, rollout, weights)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    checkpointed, checkpointed_grad = logprobs_and_grad(model, rollout, weights)
+    torch.testing.assert_close(checkpointed, plain, atol=1e-5, rtol=0)
+    for got, want in zip(checkpointed_grad, plain_grad, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

@@ -39,7 +39,8 @@ FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup
 METRICS = ("reward/mean", "reward/std", "frac_zero_std", "len/mean", "clip/low", "clip/high", "clip/region",
            "kl3/mean", "kl3/max", "ratio/min", "ratio/max", "entropy", "loss", "grad_norm", "lr", "time/rollout",
            "time/reward", "time/logprobs", "time/update", "time/step", "tokens_per_s")
-TIMING = ("time/rollout", "time/reward", "time/logprobs", "time/update", "time/step", "tokens_per_s", "train_seconds_this_session")
+TIMING = ("time/rollout", "time/reward", "time/logprobs", "time/update", "time/step", "tokens_per_s",
+          "train_seconds_this_session")
 
 
 def recipe(*overrides):
@@ -162,7 +163,10 @@ def test_first_pass_is_on_policy(short_run):
         assert record["ratio/min"] == record["ratio/max"] == 1.0
 
 
-def test_second_pass_moves_the_ratio(results, monkeypatch):
+@pytest.mark.parametrize("old_logprobs", ["recompute", "sampler"])
+def test_second_pass_moves_the_ratio(results, monkeypatch, old_logprobs):
+    """μ = 2: the first pass over a fresh rollout is on-policy, the second is not.  Recomputed old
+    logprobs make the first pass exact; the sampler's KV-cache logprobs agree to float noise."""
     passes = []
 
     def spy(*args, **kwargs):
@@ -173,10 +177,15 @@ def test_second_pass_moves_the_ratio(results, monkeypatch):
 
     policy_loss = train_module.policy_loss
     monkeypatch.setattr(train_module, "policy_loss", spy)
-    _, directory = start(results, "two-passes", "algo.num_iterations=2", "run.steps=3")
+    _, directory = start(results, f"two-passes-{old_logprobs}", "algo.num_iterations=2", "run.steps=3",
+                         f"algo.old_logprobs={old_logprobs}")
     assert len(passes) == 6
     for first, second in zip(passes[::2], passes[1::2], strict=True):
-        assert first["kl3/max"] == 0.0 and first["ratio/min"] == first["ratio/max"] == 1.0  # fresh rollout
+        if old_logprobs == "recompute":
+            assert first["kl3/max"] == 0.0 and first["ratio/min"] == first["ratio/max"] == 1.0  # fresh rollout
+        else:
+            assert first["kl3/max"] < 1e-10 and 1 - 1e-5 < first["ratio/min"] <= first["ratio/max"] < 1 + 1e-5
+            assert first["clip/region"] == 0.0
         # the first pass's update moved the policy: some ratio is off 1 (which way depends on the batch)
         assert second["kl3/max"] > 0.0 and (second["ratio/min"] < 1.0 or second["ratio/max"] > 1.0)
     for record in records(directory):
