@@ -1,12 +1,14 @@
-"""Throughput of one GRPO/ATR-GRPO step: rollout and update tokens/s, steps/s, per preset.
+"""Throughput of one GRPO/ATR-GRPO step per preset, and what ATR's trust region costs against GRPO's.
 
-Not a test. Runs the real training step (`atrctl.train.rollout_step` / `update_step`) on a
-freshly initialised preset saved as an ordinary model directory (no warm-up: untrained
-models emit completions up to max_new_tokens, the worst case for sampling). For each preset,
-atr and grpo steps alternate, so the atr/grpo ratio compares like with like in the same run.
+Not a test. Runs the real training step (`atrctl.train.train_step`) on a freshly initialised
+preset saved as an ordinary model directory (no warm-up: untrained models emit completions up to
+max_new_tokens, the worst case for sampling), with the default recipe's batch.  For each preset an
+atr run and a grpo run take their steps in turn, in the same process, so step k of one is paired
+with step k of the other under the same machine conditions; the atr/grpo ratio is the median of
+the paired ratios, with its 2.5-97.5% range over pairs.
 
     python benchmarks/step_throughput.py                      # tiny and medium, 2 threads
-    python benchmarks/step_throughput.py --presets tiny --steps 20
+    python benchmarks/step_throughput.py --presets tiny --steps 60
 """
 
 from __future__ import annotations
@@ -14,61 +16,58 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from atrctl.advantages import group_advantages
 from atrctl.config import load_recipe
 from atrctl.models import build_char_tokenizer, build_model, set_cpu_threads
-from atrctl.train import build_run, rollout_step, update_step
+from atrctl.train import STEP_PHASES, build_run, train_step
+
+LOSSES = ("grpo", "atr")
 
 
-def timed_step(run, step: int) -> tuple[float, float, int, int]:
-    """(rollout seconds, update seconds, generated tokens, tokens through the update) of one real step."""
-    started = time.perf_counter()
-    rollout, rewards, _ = rollout_step(run, step)
-    advantages, _ = group_advantages(rewards, run.recipe.algo.advantage)
-    sampled = time.perf_counter()
-    update_step(run, rollout, advantages.flatten(), step)
-    done = time.perf_counter()
-    generated = int(rollout.completion_mask.sum())
-    return sampled - started, done - sampled, generated, int(rollout.prompt_mask.sum()) + generated
-
-
-def summarise(samples: list[tuple[float, float, int, int]], passes: int) -> dict[str, float]:
-    rollout_s, update_s, generated, updated = (list(column) for column in zip(*samples, strict=True))
-    step_s = [r + u for r, u in zip(rollout_s, update_s, strict=True)]
-    return {
-        "rollout tok/s": sum(generated) / sum(rollout_s),
-        "update tok/s": sum(updated) * passes / sum(update_s),
-        "steps/s": 1.0 / statistics.median(step_s),
-        "median step s": statistics.median(step_s),
-        "rollout share": sum(rollout_s) / sum(step_s),
-    }
-
-
-def measure(preset: str, steps: int, warmup: int, model_dir: Path, scratch: Path) -> dict[str, dict[str, float]]:
-    """grpo and atr steps alternating on the same model and prompts, so their ratio is like for like."""
+def measure(model_dir: Path, scratch: Path, steps: int, warmup: int) -> dict[str, list[dict]]:
+    """Each loss's step records, steps alternating between the losses (which goes first alternates too)."""
     runs = {}
-    for loss in ("grpo", "atr"):
+    for loss in LOSSES:
         recipe = load_recipe("recipes/default.toml", [f"model.base={model_dir}", f"algo.loss={loss}",
-                                                      "model.device=cpu"])
-        runs[loss] = build_run(recipe, scratch / f"{preset}-{loss}", scratch)
-    samples = {loss: [] for loss in runs}
+                                                      "model.device=cpu", f"run.steps={warmup + steps}"])
+        runs[loss] = build_run(recipe, scratch / f"{model_dir.name}-{loss}", scratch)
+    records = {loss: [] for loss in runs}
     for step in range(warmup + steps):
-        for loss, run in runs.items():
-            sample = timed_step(run, step)
+        for loss in (LOSSES if step % 2 == 0 else LOSSES[::-1]):
+            record, _ = train_step(runs[loss], step)
             if step >= warmup:
-                samples[loss].append(sample)
-    return {loss: summarise(rows, runs[loss].recipe.algo.num_iterations) for loss, rows in samples.items()}
+                records[loss].append(record)
+    return records
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def report(preset: str, records: dict[str, list[dict]]) -> None:
+    print(f"\n{preset}")
+    print(f"  {'loss':5} {'steps/s':>8} {'gen tok/s':>10} " + " ".join(f"{p:>9}" for p in STEP_PHASES)
+          + f" {'other':>9}  (mean ms per step)")
+    for loss, rows in records.items():
+        step_s = statistics.median(r["time/step"] for r in rows)
+        phases = [statistics.fmean(r[f"time/{p}"] for r in rows) for p in STEP_PHASES]
+        other = statistics.fmean(r["time/step"] for r in rows) - sum(phases)
+        generated = sum(r["tokens_per_s"] * r["time/step"] for r in rows) / sum(r["time/step"] for r in rows)
+        print(f"  {loss:5} {1 / step_s:8.2f} {generated:10.0f} "
+              + " ".join(f"{p * 1e3:9.1f}" for p in phases) + f" {other * 1e3:9.1f}")
+    ratios = [a["time/step"] / g["time/step"] for a, g in zip(records["atr"], records["grpo"], strict=True)]
+    print(f"  atr / grpo step time: median {statistics.median(ratios):.3f} over {len(ratios)} paired steps "
+          f"[{quantile(ratios, 0.025):.3f}, {quantile(ratios, 0.975):.3f}]")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["tiny", "medium"])
-    parser.add_argument("--steps", type=int, default=10, help="measured steps per (preset, loss)")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per (preset, loss)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -82,14 +81,7 @@ def main() -> None:
             model_dir = scratch / preset
             build_model(preset, tokenizer, seed=0).save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
-            rows = measure(preset, args.steps, args.warmup, model_dir, scratch)
-            print(f"\n{preset}")
-            print(f"  {'loss':5} {'rollout tok/s':>14} {'update tok/s':>13} {'steps/s':>8} {'rollout share':>14}")
-            for loss, row in rows.items():
-                print(f"  {loss:5} {row['rollout tok/s']:14.0f} {row['update tok/s']:13.0f} {row['steps/s']:8.2f} "
-                      f"{row['rollout share']:14.0%}")
-            ratio = rows["atr"]["median step s"] / rows["grpo"]["median step s"]
-            print(f"  atr / grpo median step time: {ratio:.3f}")
+            report(preset, measure(model_dir, scratch, args.steps, args.warmup))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def test_ints_are_accepted_for_floats():
         ("warmup.lr=-1", "warmup.lr must be > 0"),
         ("warmup.target_accuracy=1.5", "warmup.target_accuracy must be in (0, 1]"),
         ("model.arch=gpt2", "model.arch = 'gpt2' is not one of llama, qwen2"),
+        ("algo.old_logprobs=cache", "algo.old_logprobs = 'cache' is not one of auto, sampler, recompute"),
         ("model.base=1", "model.base must be a string"),
         ("lr=1", "write section.key=value"),
         ("warmup.lr", "write section.key=value"),

@@ -24,7 +24,7 @@ from atrctl.cli import main
 from atrctl.config import load_recipe, recipe_from_dict
 from atrctl.errors import UserError
 from atrctl.losses import LossOutput
-from atrctl.train import TrainingStopped, lr_at, prompts_for_step, train
+from atrctl.train import STEP_PHASES, TrainingStopped, lr_at, prompts_for_step, recomputes_old_logprobs, train
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -136,6 +136,8 @@ def test_short_run_writes_every_file(short_run, base_weights):
         assert all(math.isfinite(record[key]) for key in METRICS)
         assert record["lr"] == 1e-3 and record["skipped_steps"] == 0
         assert 0 <= record["reward/mean"] <= 1 and record["len/mean"] > 0 and record["entropy"] > 0
+        phases = [record[f"time/{phase}"] for phase in STEP_PHASES]
+        assert min(phases) >= 0 and 0 < sum(phases) <= record["time/step"]  # the phases do not overlap
     assert ["eval/greedy" in r for r in logged] == [False, True, False, True]
 
     checkpoint = directory / "checkpoint"
@@ -161,6 +163,12 @@ def test_first_pass_is_on_policy(short_run):
         assert record["kl3/mean"] == record["kl3/max"] == 0.0
         assert record["clip/low"] == record["clip/high"] == record["clip/region"] == 0.0
         assert record["ratio/min"] == record["ratio/max"] == 1.0
+
+
+def test_old_logprobs_are_recomputed_only_where_the_sampler_is_not_float32_exact():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not recomputes_old_logprobs("auto", cpu) and recomputes_old_logprobs("auto", cuda)
+    assert recomputes_old_logprobs("recompute", cpu) and not recomputes_old_logprobs("sampler", cuda)
 
 
 @pytest.mark.parametrize("old_logprobs", ["recompute", "sampler"])

@@ -1,0 +1,168 @@
+"""How atrctl's step time grows with group size and completion length; on a GPU, tokens/s and MFU.
+
+Not a test. Runs the real training step (`atrctl.train.train_step`) on freshly initialised models
+whose EOS logit is pushed down by 30 (a hook on the output layer, for sampling and training
+alike), so every completion is exactly max_new_tokens long and "T" means T tokens.  For each
+preset and (G, T) cell: the median step time over a few steps after an unmeasured one, tokens/s,
+the share spent sampling, and the step time per generated token relative to the grid's first
+cell (1.00 = the step grows exactly linearly with the tokens generated).
+
+    python benchmarks/scaling.py                               # tiny and medium on CPU, 8 prompts
+    python benchmarks/scaling.py --presets tiny --groups 4 8 --lengths 16 64
+
+When CUDA is present (or with --gpu) it also runs the GPU section: bf16 autocast, medium and a
+model of Qwen2.5-0.5B's shape built from its config (24 layers, hidden 896, 14 heads, 2 KV heads,
+the character vocabulary), reporting tokens/s and model FLOP utilisation: achieved model FLOPs
+(2·N per token forward, 6·N forward+backward; N = the parameters that multiply, i.e. all but an
+untied input embedding; attention's O(context) term left out, ~2% at these lengths) over the GPU's
+peak dense bf16 FLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from atrctl.config import load_recipe
+from atrctl.models import build_char_tokenizer, build_model, set_cpu_threads
+from atrctl.train import build_run, recomputes_old_logprobs, train_step
+
+EOS_PENALTY = 30.0
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+
+
+def qwen_half_b_shape(tokenizer):
+    """Qwen2.5-0.5B's body (24 × 896, GQA 14/2, MLP 4864) on the character vocabulary, from config."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_theta=1_000_000.0, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def save_model(name: str, directory: Path) -> Path:
+    tokenizer = build_char_tokenizer()
+    model = qwen_half_b_shape(tokenizer) if name == "qwen2.5-0.5b-shape" else build_model(name, tokenizer, seed=0)
+    model.save_pretrained(directory / name)
+    tokenizer.save_pretrained(directory / name)
+    return directory / name
+
+
+def suppress_eos(run) -> None:
+    shift = torch.zeros(run.model.config.vocab_size, device=run.device)
+    shift[run.tokenizer.eos_token_id] = -EOS_PENALTY
+    run.model.lm_head.register_forward_hook(lambda module, args, out: out + shift.to(out.dtype))
+
+
+def flop_parameters(model) -> int:
+    """Parameters that cost 2 FLOPs per token forward: all but the input embedding (a lookup), plus the
+    output projection when it is tied to that embedding."""
+    embedding = model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    return total if model.config.tie_word_embeddings else total - embedding
+
+
+def model_flops_per_step(run, generated: float, prompts: int, prompt_tokens: int) -> float:
+    """Model FLOPs of one step as atrctl runs it: sampling (prefill once per prompt, one forward per
+    generated token), old logprobs when recomputed (a forward), and μ passes of forward + backward
+    (the prompt once per group)."""
+    n, tokens = flop_parameters(run.model), prompts * prompt_tokens + generated
+    on_policy = run.recipe.algo.num_iterations == 1 and run.recipe.algo.minibatches == 1
+    recompute = not on_policy and recomputes_old_logprobs(run.recipe.algo.old_logprobs, run.device)
+    return 2 * n * tokens * (1 + recompute) + 6 * n * tokens * run.recipe.algo.num_iterations
+
+
+def measure(model_dir: Path, scratch: Path, device: str, prompts: int, group: int, length: int, steps: int,
+            minibatches: int) -> dict[str, float]:
+    recipe = load_recipe("recipes/default.toml", [
+        f"model.base={model_dir}", f"model.device={device}", f"rollout.prompts={prompts}",
+        f"rollout.group_size={group}", f"rollout.max_new_tokens={length}", f"algo.minibatches={minibatches}",
+        f"run.steps={steps + 1}"])
+    run = build_run(recipe, scratch / f"{model_dir.name}-{group}-{length}", scratch)
+    suppress_eos(run)
+    records = []
+    for step in range(steps + 1):
+        record, _ = train_step(run, step)
+        if step:
+            records.append(record)
+    step_s = statistics.median(r["time/step"] for r in records)
+    tokens = statistics.fmean(r["len/mean"] for r in records) * prompts * group
+    return {
+        "parameters": flop_parameters(run.model),
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "rollout_share": statistics.fmean(r["time/rollout"] / r["time/step"] for r in records),
+        "per_token_ms": step_s / tokens * 1e3,
+        "mean_length": tokens / (prompts * group),
+        "flops": model_flops_per_step(run, tokens, prompts, len(run.pool_ids[0])) / step_s,
+    }
+
+
+def cpu_grid(args: argparse.Namespace, scratch: Path) -> None:
+    for preset in args.presets:
+        model_dir = save_model(preset, scratch)
+        cells = {(g, t): measure(model_dir, scratch, "cpu", args.prompts, g, t, args.steps, args.minibatches)
+                 for g in args.groups for t in args.lengths}
+        base = cells[args.groups[0], args.lengths[0]]["per_token_ms"]
+        print(f"\n{preset}, CPU {torch.get_num_threads()} threads, {args.prompts} prompts, {args.minibatches} "
+              f"mini-batches: median step seconds (tokens/s, sampling share, time per token vs first cell)")
+        print("| G \\ T | " + " | ".join(str(t) for t in args.lengths) + " |")
+        print("|---|" + "---|" * len(args.lengths))
+        for g in args.groups:
+            row = [cells[g, t] for t in args.lengths]
+            print(f"| {g} | " + " | ".join(f"{c['step_s']:.3f} s ({c['tokens_per_s']:.0f} tok/s, "
+                                           f"{c['rollout_share']:.0%}, {c['per_token_ms'] / base:.2f}x)"
+                                           for c in row) + " |")
+        lengths = {round(c["mean_length"], 1) for c in cells.values()}
+        print(f"completion lengths seen: {sorted(lengths)} (each cell's T: EOS suppressed)")
+
+
+def gpu_section(args: argparse.Namespace, scratch: Path) -> None:
+    name = torch.cuda.get_device_name()
+    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    print(f"\nGPU: {name}, bf16 autocast, {args.gpu_prompts} prompts x {args.gpu_group}, "
+          f"max_new_tokens {args.gpu_length}, {args.minibatches} mini-batches")
+    print("| model | parameters | step s | tokens/s | sampling share | model TFLOP/s | MFU |")
+    print("|---|---|---|---|---|---|---|")
+    for model in ("medium", "qwen2.5-0.5b-shape"):
+        model_dir = save_model(model, scratch)
+        cell = measure(model_dir, scratch, "cuda", args.gpu_prompts, args.gpu_group, args.gpu_length, args.steps,
+                       args.minibatches)
+        mfu = f"{cell['flops'] / (peak * 1e12):.1%}" if peak else "n/a (give --peak-tflops)"
+        print(f"| {model} | {cell['parameters'] / 1e6:.1f}M | {cell['step_s']:.3f} | {cell['tokens_per_s']:.0f} | "
+              f"{cell['rollout_share']:.0%} | {cell['flops'] / 1e12:.1f} | {mfu} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny", "medium"])
+    parser.add_argument("--groups", nargs="+", type=int, default=[4, 8, 16])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[16, 64, 256])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--minibatches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per cell, after one unmeasured")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gpu", action="store_true", help="run the GPU section (default: when CUDA is present)")
+    parser.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=True, help="run the CPU grid")
+    parser.add_argument("--gpu-prompts", type=int, default=64)
+    parser.add_argument("--gpu-group", type=int, default=8)
+    parser.add_argument("--gpu-length", type=int, default=256)
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s, if not in the table")
+    args = parser.parse_args()
+    set_cpu_threads(args.threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.cpu:
+            cpu_grid(args, Path(scratch))
+        if args.gpu or torch.cuda.is_available():
+            gpu_section(args, Path(scratch))
+
+
+if __name__ == "__main__":
+    main()
