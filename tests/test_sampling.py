@@ -5,7 +5,7 @@ import torch
 
 from atrctl.errors import UserError
 from atrctl.models import build_char_tokenizer, build_model
-from atrctl.sampling import Rollout, completion_logprobs, decode_completions, sample
+from atrctl.sampling import Rollout, completion_logprobs, decode_completions, inverse_cdf_draw, sample
 
 TEXTS = ["12+3=", "7*8=", "100-99=", "a", "(4+4)/2="]
 
@@ -241,3 +241,26 @@ def test_activation_checkpointing_takes_the_single_pass_with_the_same_result(tok
     torch.testing.assert_close(checkpointed, plain, atol=1e-5, rtol=0)
     for got, want in zip(checkpointed_grad, plain_grad, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_inverse_cdf_draw_follows_the_probabilities_and_never_picks_a_zero():
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0], [1.0, 1.0, 0.0, 1.0, 1.0]])
+    draws = torch.stack([inverse_cdf_draw(probs, torch.Generator().manual_seed(seed)) for seed in range(20_000)])
+    counts = torch.stack([torch.bincount(draws[:, row], minlength=5) for row in range(3)]).double() / len(draws)
+    expected = probs / probs.sum(-1, keepdim=True)  # unnormalised rows are fine
+    assert (counts[expected == 0] == 0).all()
+    # 20,000 draws: the standard error of a frequency is at most 0.0036, so 0.015 is over 4 of them
+    torch.testing.assert_close(counts, expected.double(), atol=0.015, rtol=0)
+
+
+def test_the_preallocated_cache_samples_what_a_growing_cache_samples(model, tokenizer, prompts, monkeypatch):
+    from transformers import DynamicCache
+
+    import atrctl.sampling as sampling
+
+    with eos_bias(model, tokenizer, 1.0):
+        written_in_place = run(model, tokenizer, prompts, repeats=2, max_new_tokens=20)
+        monkeypatch.setattr(sampling, "preallocated_cache", lambda model, capacity: DynamicCache(config=model.config))
+        concatenated = run(model, tokenizer, prompts, repeats=2, max_new_tokens=20)
+    assert torch.equal(written_in_place.completion_ids, concatenated.completion_ids)
+    torch.testing.assert_close(written_in_place.logprobs, concatenated.logprobs, atol=1e-6, rtol=0)
