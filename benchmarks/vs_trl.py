@@ -12,6 +12,7 @@ TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 
     python benchmarks/vs_trl.py                         # tiny, default recipe batch, 5 pairs
     python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7
+    python benchmarks/vs_trl.py --device cuda --preset qwen2.5-0.5b-shape --max-new-tokens 256   # bf16 on both
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--preset", default="tiny", help="tiny, small, medium or qwen2.5-0.5b-shape")
     parser.add_argument("--algo", default="atr", choices=["atr", "grpo"])
     parser.add_argument("--max-kl3", type=float, default=0.1)
     parser.add_argument("--prompts", type=int, default=64)
@@ -182,14 +183,11 @@ def main() -> None:
         print(RESULT + json.dumps(result), flush=True)
         return
 
-    from atrctl.models import build_char_tokenizer, build_model
+    from scaling import save_model  # benchmarks/ is on sys.path when this file runs as a script
 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        model_dir = scratch / args.preset
-        tokenizer = build_char_tokenizer()
-        build_model(args.preset, tokenizer, seed=0).save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
+        model_dir = save_model(args.preset, scratch)
         pairs = []
         for pair in range(args.pairs):
             order = ("atrctl", "trl") if pair % 2 == 0 else ("trl", "atrctl")
