@@ -60,6 +60,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
 
     from atrctl.divergence import trust_region
     from atrctl.tasks import get_task, problem_pool
@@ -84,6 +85,20 @@ def trl_worker(args: argparse.Namespace) -> dict:
         def on_step_end(self, *_, **__):
             self.ends.append(time.perf_counter())
 
+    clock = Clock()
+    phases = [dict.fromkeys(PHASES[:3], 0.0) for _ in range(total)]  # update = the rest of the step
+
+    def record(context, duration: float) -> None:
+        """TRL times its own blocks (for wandb); file them under atrctl's phase names, per rollout."""
+        name = context.name.removeprefix("GRPOTrainer.")
+        phase = {"transformers.generate": "rollout", "_calculate_rewards": "reward"}.get(name)
+        if name == "_get_per_token_logps_and_entropies" and not torch.is_grad_enabled():
+            phase = "logprobs"  # the old-logprob pass; the training forward runs with grad
+        if phase:
+            phases[min(len(clock.ends) // args.minibatches, total - 1)][phase] += duration
+
+    profiling.ProfilingContext._log_metrics = record
+
     low, high = trust_region(args.algo, **({"max_kl3": args.max_kl3} if args.algo == "atr" else {}))
     cuda = args.device == "cuda"
     config = GRPOConfig(
@@ -100,13 +115,15 @@ def trl_worker(args: argparse.Namespace) -> dict:
         dataloader_num_workers=0)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.train()
     ends = clock.ends[args.minibatches - 1 :: args.minibatches]  # the last optimiser step of each rollout
     seconds = [b - a for a, b in zip(ends, ends[1:], strict=False)]  # step k > 0: end(k) - end(k-1)
-    return {"steps": [{"seconds": s, "tokens": tokens[k + 1]} for k, s in enumerate(seconds) if k + 1 >= args.warmup]}
+    steps = [{"seconds": s, "tokens": tokens[k + 1], **phases[k + 1]} for k, s in enumerate(seconds)]
+    for step in steps:
+        step["update"] = step["seconds"] - sum(step[phase] for phase in PHASES[:3])
+    return {"steps": steps[max(0, args.warmup - 1) :]}
 
 
 def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict:
@@ -134,7 +151,7 @@ def spread(values: list[float]) -> str:
 
 
 def breakdown(results: list[dict]) -> list[tuple[str, float]]:
-    """Mean seconds per step in each phase over every measured atrctl step; 'other' is the rest of the step."""
+    """Mean seconds per step in each phase over every measured step; 'other' is the rest of the step."""
     steps = [s for result in results for s in result["steps"]]
     mean = {phase: statistics.fmean(s[phase] for s in steps) for phase in PHASES}
     total = statistics.fmean(s["seconds"] for s in steps)
@@ -153,10 +170,15 @@ def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
     print(f"| {'TRL':7} | {spread([s for s, _ in theirs]):>20} | {spread([t for _, t in theirs]):>26} |")
     print(f"| {'ratio':7} | {spread([a[0] / b[0] for a, b in zip(ours, theirs, strict=True)]):>20} | "
           f"{spread([a[1] / b[1] for a, b in zip(ours, theirs, strict=True)]):>26} |")
-    print("\natrctl step breakdown (mean ms per step, share)")
-    rows = breakdown([pair["atrctl"] for pair in pairs])
-    for phase, seconds in rows:
-        print(f"  {phase:9} {seconds * 1e3:9.1f} ms {seconds / rows[-1][1]:6.1%}")
+    print("\nstep breakdown, mean ms per step (share); TRL's from its own profiling blocks, its update = the rest")
+    ours, theirs = breakdown([pair["atrctl"] for pair in pairs]), dict(breakdown([pair["trl"] for pair in pairs]))
+    print(f"  {'phase':9} {'atrctl':>16} {'TRL':>16}")
+    for phase, seconds in ours:
+        if phase == "other":
+            print(f"  {phase:9} {seconds * 1e3:8.1f} ({seconds / ours[-1][1]:5.1%}) {'(in update)':>16}")
+            continue
+        print(f"  {phase:9} {seconds * 1e3:8.1f} ({seconds / ours[-1][1]:5.1%}) "
+              f"{theirs[phase] * 1e3:8.1f} ({theirs[phase] / theirs['step']:5.1%})")
 
 
 def main() -> None:
