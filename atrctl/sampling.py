@@ -74,9 +74,10 @@ def _next_token(
 def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of (unnormalised) probabilities [B, V], from a single uniform draw per row.
 
-    torch.multinomial draws an exponential variate per vocabulary entry (B·V random numbers, a
-    third of a tiny model's decode step on CPU); the inverse CDF needs B.  Zero-probability
-    entries are never chosen: the draw lands strictly inside a positive-width CDF step.
+    torch.multinomial draws an exponential variate per vocabulary entry (B·V random numbers, about
+    a tenth of a tiny model's sampling time on CPU); the inverse CDF needs B.  The CDF is summed in
+    float64 so that every token keeps its probability; zero-probability entries are never chosen
+    (the draw lands strictly inside a positive-width CDF step).
     """
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
@@ -204,17 +205,17 @@ def _completion_logits(model: PreTrainedModel, rollout: Rollout, temperature: fl
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                        logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
         return logits.float() / temperature
-    first_rows = counts.cumsum(0) - counts
+    first_rows, width = counts.cumsum(0) - counts, prompt.shape[1]
     cache = DynamicCache(config=model.config)
-    head = model(input_ids=distinct, attention_mask=prompt_mask[first_rows], position_ids=positions[first_rows, :
-                 prompt.shape[1]], cache=cache, logits_to_keep=1).logits[:, -1]
+    head = model(input_ids=distinct, attention_mask=prompt_mask[first_rows], position_ids=positions[first_rows, :width],
+                 cache=cache, logits_to_keep=1).logits[:, -1]
     owner = torch.repeat_interleave(torch.arange(distinct.shape[0], device=prompt.device), counts)
     cache.batch_select_indices(owner)
     logits = [head[owner][:, None]]  # the prompt's last position predicts the first completion token
-    if completion.shape[1] > 1:
-        width = prompt.shape[1] + completion.shape[1] - 1
-        logits.append(model(input_ids=completion[:, :-1], attention_mask=mask[:, :width],
-                            position_ids=positions[:, prompt.shape[1] : width], cache=cache).logits)
+    if completion.shape[1] > 1:  # completion token t predicts t + 1; the last one predicts nothing
+        end = width + completion.shape[1] - 1
+        logits.append(model(input_ids=completion[:, :-1], attention_mask=mask[:, :end],
+                            position_ids=positions[:, width:end], cache=cache).logits)
     return torch.cat(logits, dim=1).float() / temperature
 
 
