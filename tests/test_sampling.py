@@ -212,10 +212,11 @@ def logprobs_and_grad(model, rollout, weights):
     return logp.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_shared_prompt_pass_equals_one_pass_per_row_in_value_and_gradient(tokenizer, prompts):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_shared_prompt_pass_equals_one_pass_per_row_in_value_and_gradient(tokenizer, prompts, arch):
     """The training pass runs a group's prompt once and its completions on the cached prompt: same
     function as a full pass per row, so the same logprobs and the same gradient (float noise aside)."""
-    model = build_model("tiny", tokenizer, seed=3).train()
+    model = build_model("tiny", tokenizer, arch=arch, seed=3).train()
     rollout = grouped_rollout(model, tokenizer, prompts)
     weights = torch.randn(rollout.completion_ids.shape, generator=torch.Generator().manual_seed(1))
     shared, shared_grad = logprobs_and_grad(model, rollout, weights)
