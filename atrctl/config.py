@@ -50,7 +50,9 @@ class ModelConfig:
     device: str = "auto"
     """auto, cpu or cuda."""
     dtype: str = "auto"
-    """auto (bf16 on a capable GPU, else float32), float32 or bfloat16."""
+    """auto (bf16 on a capable GPU, else float32), float32 or bfloat16: the dtype of the frozen copies
+    (reference model, evaluation).  The trained policy always keeps float32 master weights and, on
+    CUDA, computes under bf16 autocast."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: far less memory for ~30% more compute."""
 

@@ -67,22 +67,27 @@ def _next_token(
         sorted_probs, order = probs.sort(-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the top token always stays
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    token = inverse_cdf_draw(probs, generator)
+    token = draw(probs, generator)
     return token, logp.gather(-1, token[:, None])[:, 0]
 
 
-def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of (unnormalised) probabilities [B, V], from a single uniform draw per row.
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of (unnormalised) probabilities [B, V]; raises on NaN/inf or all-zero rows.
 
-    torch.multinomial draws an exponential variate per vocabulary entry (B·V random numbers, about
-    a tenth of a tiny model's sampling time on CPU); the inverse CDF needs B.  The CDF is summed in
-    float64 so that every token keeps its probability; zero-probability entries are never chosen
-    (the draw lands strictly inside a positive-width CDF step).
+    On CUDA torch.multinomial is one fused kernel.  On CPU it draws an exponential variate per
+    vocabulary entry (B·V random numbers, about a tenth of a tiny model's sampling time), so the CPU
+    uses the inverse CDF: one uniform per row, the CDF summed in float64 so every token keeps its
+    probability; a zero-probability entry is never chosen (the draw lands strictly inside a
+    positive-width CDF step).
     """
+    total = probs.sum(-1)
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise RuntimeError("sampling probabilities are NaN, infinite or all zero: the model's logits are not finite")
+    if probs.device.type != "cpu":
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
     cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1:]
-    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=generator)
-    token = torch.searchsorted(cdf, u * total, right=True)
+    u = torch.rand((probs.shape[0], 1), dtype=torch.float64, generator=generator)
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return token.clamp(max=probs.shape[-1] - 1)[:, 0]
 
 
@@ -122,6 +127,11 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
                 self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
                 self._filled()
 
+        def _unsupported(self, *args, **kwargs):
+            raise NotImplementedError("the sampling cache only appends, and repeats rows once after the prefill")
+
+        crop = reorder_cache = batch_select_indices = reset = _unsupported
+
     cache = DynamicCache(config=model.config)
     cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
@@ -154,16 +164,16 @@ def sample(
         raise UserError(f"top_p={top_p} must be in (0, 1]: use 1.0 to turn it off")
 
     device = model.device
-    prompt, prompt_mask = left_pad(prompt_ids, pad_id, device)
+    distinct, distinct_mask = left_pad(prompt_ids, pad_id, device)
+    prompt, prompt_mask = (t.repeat_interleave(repeats, dim=0) for t in (distinct, distinct_mask))
     cache = preallocated_cache(model, capacity=prompt.shape[1] + max_new_tokens)
     with torch.inference_mode():
-        positions = position_ids(prompt_mask)
-        logits = model(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, cache=cache,
+        positions = position_ids(distinct_mask)
+        logits = model(input_ids=distinct, attention_mask=distinct_mask, position_ids=positions, cache=cache,
                        logits_to_keep=1).logits[:, -1]
         if repeats > 1:
             cache.batch_repeat_interleave(repeats)
-            prompt, prompt_mask, positions, logits = (
-                t.repeat_interleave(repeats, dim=0) for t in (prompt, prompt_mask, positions, logits))
+            positions, logits = positions.repeat_interleave(repeats, dim=0), logits.repeat_interleave(repeats, dim=0)
         tokens, logprobs, mask = [], [], prompt_mask
         done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
         for produced in range(1, max_new_tokens + 1):
@@ -189,34 +199,47 @@ def _completion_logits(model: PreTrainedModel, rollout: Rollout, temperature: fl
     """Float32 logits / temperature at the positions that predict each completion token: [B, T, V].
 
     Rows of a GRPO group share their prompt, so the prompt runs through the model once per distinct
-    prompt (consecutive equal rows) and its KV cache, graph included, is indexed out to each row;
-    the completions then run on top of it.  Same function as one pass over prompt + completion (the
-    gradient reaches the prompt's activations through the cache), with the prompt's share of the
-    work divided by G.  Activation checkpointing turns the cache off, so it gets the single pass.
+    prompt (a run of consecutive rows with equal ids and mask) and its KV cache, graph included, is
+    indexed out to each row; the completions then run on top of it.  Same function as one pass over
+    prompt + completion (the gradient reaches the prompt's activations through the cache), with the
+    prompt's share of the work divided by G.  Activation checkpointing turns the cache off, so it
+    gets the single pass (also if the model turned out to ignore the cache).
     """
     from transformers import DynamicCache
 
     prompt, prompt_mask, completion = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
     mask = torch.cat([prompt_mask, rollout.completion_mask], dim=1)
     positions = position_ids(mask)
-    distinct, counts = torch.unique_consecutive(prompt, dim=0, return_counts=True)
-    if distinct.shape[0] == prompt.shape[0] or getattr(model, "is_activation_checkpointing", False):
+
+    def single_pass() -> torch.Tensor:
         ids = torch.cat([prompt, completion], dim=1)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                        logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
         return logits.float() / temperature
-    first_rows, width = counts.cumsum(0) - counts, prompt.shape[1]
+
+    first_rows, counts = _runs(torch.cat([prompt, prompt_mask], dim=1))
+    if len(counts) == prompt.shape[0] or getattr(model, "is_activation_checkpointing", False):
+        return single_pass()
+    width = prompt.shape[1]
     cache = DynamicCache(config=model.config)
-    head = model(input_ids=distinct, attention_mask=prompt_mask[first_rows], position_ids=positions[first_rows, :width],
-                 cache=cache, logits_to_keep=1).logits[:, -1]
-    owner = torch.repeat_interleave(torch.arange(distinct.shape[0], device=prompt.device), counts)
+    head = model(input_ids=prompt[first_rows], attention_mask=prompt_mask[first_rows],
+                 position_ids=positions[first_rows, :width], cache=cache, logits_to_keep=1).logits[:, -1]
+    owner = torch.repeat_interleave(torch.arange(len(counts), device=prompt.device), counts)
     cache.batch_select_indices(owner)
     logits = [head[owner][:, None]]  # the prompt's last position predicts the first completion token
     if completion.shape[1] > 1:  # completion token t predicts t + 1; the last one predicts nothing
         end = width + completion.shape[1] - 1
         logits.append(model(input_ids=completion[:, :-1], attention_mask=mask[:, :end],
                             position_ids=positions[:, width:end], cache=cache).logits)
+        if cache.get_seq_length() != end:  # the model ignored the cache (e.g. checkpointing we did not detect)
+            return single_pass()
     return torch.cat(logits, dim=1).float() / temperature
+
+
+def _runs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of each run's first row, run lengths) of consecutive equal rows."""
+    counts = torch.unique_consecutive(rows, dim=0, return_counts=True)[1]
+    return counts.cumsum(0) - counts, counts
 
 
 def completion_logprobs(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:

@@ -54,10 +54,14 @@ STEP_PHASES = ("rollout", "reward", "logprobs", "update")
 
 
 class Stopwatch:
-    """Seconds spent per named phase; `with clock("update"): ...` adds to `clock.seconds["update"]`."""
+    """Seconds spent per named phase; `with clock("update"): ...` adds to `clock.seconds["update"]`.
 
-    def __init__(self):
+    On CUDA each phase waits for its queued kernels, or their time would be charged to the next one.
+    """
+
+    def __init__(self, device: torch.device | None = None):
         self.seconds: dict[str, float] = {}
+        self.cuda = device is not None and device.type == "cuda"
 
     @contextmanager
     def __call__(self, phase: str):
@@ -65,6 +69,8 @@ class Stopwatch:
         try:
             yield
         finally:
+            if self.cuda:
+                torch.cuda.synchronize()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
@@ -178,7 +184,7 @@ class Run:
 def rollout_step(run: Run, step: int, clock: Stopwatch | None = None) -> tuple[Rollout, torch.Tensor, list[Problem]]:
     """Sample G completions for each of this rank's prompts of the step and score them:
     (rollout, rewards [prompts on this rank, G], problems).  Chunks and seeds: `atrctl.batching`."""
-    clock = clock or Stopwatch()
+    clock = clock or Stopwatch(run.device)
     cfg, seed = run.recipe.rollout, run.recipe.run.seed
     picked = prompts_for_step(len(run.pool), step, cfg.prompts, seed)
     positions = rank_positions(cfg.prompts, run.recipe.algo.minibatches, distributed.world_size(), distributed.rank())
@@ -246,7 +252,7 @@ def _optimiser_step(run: Run, rollout: Rollout, advantages: torch.Tensor, part: 
 def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int,
                 clock: Stopwatch | None = None) -> tuple[dict[str, float], bool]:
     """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
-    algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch()
+    algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch(run.device)
     minibatches = parts(advantages.shape[0], algo.minibatches)
     micro = [w for part in minibatches for w in micro_parts(part, algo.micro_batch)]
     on_policy = algo.num_iterations == 1 and algo.minibatches == 1
@@ -289,7 +295,7 @@ def evaluate(run: Run) -> dict[str, float]:
 
 def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
     """One RL step: its metrics (DESIGN.md §2 names, plus where the time went) and whether it was finite."""
-    clock = Stopwatch()
+    clock = Stopwatch(run.device)
     started = time.perf_counter()
     rollout, rewards, _ = rollout_step(run, step, clock)
     advantages, _ = group_advantages(rewards, run.recipe.algo.advantage)
@@ -339,10 +345,10 @@ def build_run(recipe: Recipe, directory: Path, results: Path,
     with distributed.main_first():  # rank 0 builds a missing base; the others then load it
         base, _ = ensure_base(recipe, results, on_warmup)
     set_cpu_threads(distributed.cpu_threads_per_rank())
-    model, tokenizer = load_model(str(base), recipe.model.device, recipe.model.dtype)
+    # Master weights in float32, loaded as such (a float32 checkpoint read in bf16 would lose its low
+    # bits; bf16 ones upcast exactly); on CUDA bf16 autocast does the arithmetic.
+    model, tokenizer = load_model(str(base), recipe.model.device, "float32")
     device = next(model.parameters()).device
-    if next(model.parameters()).dtype == torch.bfloat16:
-        model.float()  # master weights in float32; bf16 autocast does the arithmetic
     if recipe.model.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     model.train()

@@ -1,4 +1,4 @@
-"""atrctl's GRPO step against TRL's GRPOTrainer doing the same work: steps/s, tokens/s, their ratio.
+"""atrctl's GRPO step against TRL's GRPOTrainer on the same experiment: steps/s, tokens/s, their ratio.
 
 Not a test. Both sides get the same model directory (one freshly initialised preset, identical
 weights), the same prompts in the same order (atrctl's seeded order, fed to TRL unshuffled), the
@@ -7,7 +7,12 @@ settings and loss: atr's interval as TRL's epsilon / epsilon_high with loss_type
 token-mean clipped surrogate).  Each side runs in its own process, N steps after a few unmeasured
 ones; pairs alternate which side goes first, and the ratio is taken within each pair.
 
-One "step" is one rollout batch and its optimiser steps (`minibatches` of them), on both sides.
+One "step" is one rollout batch and its optimiser steps (`minibatches × μ` of them), on both sides.
+The algorithm is the same; the work is not quite: in float32 atrctl takes the ratio's denominator
+from the sampler's logprobs (`algo.old_logprobs = auto`) where TRL, with several optimiser steps
+per generation, runs an extra forward pass for it, and atrctl runs a group's shared prompt once.
+Both are part of what is measured; the breakdown shows each phase.  TRL's phases come from its own
+timers: its "reward" leaves out decoding the completions, which atrctl's includes.
 TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 
     python benchmarks/vs_trl.py                         # tiny, default recipe batch, 5 pairs
@@ -86,6 +91,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
             self.ends.append(time.perf_counter())
 
     clock = Clock()
+    per_rollout = args.minibatches * args.num_iterations  # TRL optimiser steps per generation batch
     phases = [dict.fromkeys(PHASES[:3], 0.0) for _ in range(total)]  # update = the rest of the step
 
     def record(context, duration: float) -> None:
@@ -95,7 +101,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
         if name == "_get_per_token_logps_and_entropies" and not torch.is_grad_enabled():
             phase = "logprobs"  # the old-logprob pass; the training forward runs with grad
         if phase:
-            phases[min(len(clock.ends) // args.minibatches, total - 1)][phase] += duration
+            phases[min(len(clock.ends) // per_rollout, total - 1)][phase] += duration
 
     profiling.ProfilingContext._log_metrics = record
 
@@ -106,7 +112,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
         per_device_train_batch_size=args.prompts // args.minibatches * args.group_size,
         gradient_accumulation_steps=1, steps_per_generation=args.minibatches, num_generations=args.group_size,
         max_completion_length=args.max_new_tokens, num_iterations=args.num_iterations,
-        max_steps=total * args.minibatches,
+        max_steps=total * per_rollout,
         temperature=recipe.rollout.temperature, top_p=recipe.rollout.top_p, top_k=0,
         learning_rate=recipe.optim.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused",
         weight_decay=recipe.optim.weight_decay, max_grad_norm=recipe.optim.grad_clip, gradient_checkpointing=False,
@@ -118,7 +124,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.train()
-    ends = clock.ends[args.minibatches - 1 :: args.minibatches]  # the last optimiser step of each rollout
+    ends = clock.ends[per_rollout - 1 :: per_rollout]  # the last optimiser step of each rollout
     seconds = [b - a for a, b in zip(ends, ends[1:], strict=False)]  # step k > 0: end(k) - end(k-1)
     steps = [{"seconds": s, "tokens": tokens[k + 1], **phases[k + 1]} for k, s in enumerate(seconds)]
     for step in steps:

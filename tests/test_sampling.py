@@ -5,7 +5,7 @@ import torch
 
 from atrctl.errors import UserError
 from atrctl.models import build_char_tokenizer, build_model
-from atrctl.sampling import Rollout, completion_logprobs, decode_completions, inverse_cdf_draw, sample
+from atrctl.sampling import Rollout, completion_logprobs, decode_completions, draw, sample
 
 TEXTS = ["12+3=", "7*8=", "100-99=", "a", "(4+4)/2="]
 
@@ -244,14 +244,22 @@ def test_activation_checkpointing_takes_the_single_pass_with_the_same_result(tok
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-def test_inverse_cdf_draw_follows_the_probabilities_and_never_picks_a_zero():
+def test_cpu_draw_follows_the_probabilities_and_never_picks_a_zero():
     probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0], [1.0, 1.0, 0.0, 1.0, 1.0]])
-    draws = torch.stack([inverse_cdf_draw(probs, torch.Generator().manual_seed(seed)) for seed in range(20_000)])
+    draws = torch.stack([draw(probs, torch.Generator().manual_seed(seed)) for seed in range(20_000)])
     counts = torch.stack([torch.bincount(draws[:, row], minlength=5) for row in range(3)]).double() / len(draws)
     expected = probs / probs.sum(-1, keepdim=True)  # unnormalised rows are fine
     assert (counts[expected == 0] == 0).all()
     # 20,000 draws: the standard error of a frequency is at most 0.0036, so 0.015 is over 4 of them
     torch.testing.assert_close(counts, expected.double(), atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_draw_refuses_probabilities_that_are_not_finite(bad):
+    with pytest.raises(RuntimeError, match="not finite"):
+        draw(torch.tensor([[0.5, 0.5], [bad, 0.1]]), torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="all zero"):
+        draw(torch.tensor([[0.0, 0.0]]), torch.Generator().manual_seed(0))
 
 
 def test_the_preallocated_cache_samples_what_a_growing_cache_samples(model, tokenizer, prompts, monkeypatch):
@@ -265,3 +273,31 @@ def test_the_preallocated_cache_samples_what_a_growing_cache_samples(model, toke
         concatenated = run(model, tokenizer, prompts, repeats=2, max_new_tokens=20)
     assert torch.equal(written_in_place.completion_ids, concatenated.completion_ids)
     torch.testing.assert_close(written_in_place.logprobs, concatenated.logprobs, atol=1e-6, rtol=0)
+
+
+def test_rows_with_equal_ids_but_different_masks_do_not_share_a_prompt(tokenizer):
+    """A real leading token can equal the pad id: grouping must look at the mask as well."""
+    model = build_model("tiny", tokenizer, seed=3).eval()
+    pad, a, b = tokenizer.pad_token_id, 20, 21
+    ids = torch.tensor([[pad, a, b], [pad, a, b], [pad, a, b]])
+    rollout = Rollout(ids, torch.tensor([[1, 1, 1], [0, 1, 1], [0, 1, 1]]), torch.tensor([[a, b]] * 3),
+                      torch.ones(3, 2, dtype=torch.long), torch.zeros(3, 2))
+    with torch.no_grad():
+        shared = completion_logprobs(model, rollout)
+        for row in range(3):
+            part = Rollout(*(getattr(rollout, f)[row : row + 1] for f in Rollout.__dataclass_fields__))
+            torch.testing.assert_close(shared[row : row + 1], completion_logprobs(model, part), atol=1e-5, rtol=0)
+    assert not torch.allclose(shared[0], shared[1])  # the two prompts really differ
+
+
+def test_a_model_that_ignores_the_cache_gets_the_single_pass(tokenizer, prompts, monkeypatch):
+    """If checkpointing goes undetected the cache stays empty: the completions must not run without
+    their prompt."""
+    model = build_model("tiny", tokenizer, seed=3).train()
+    rollout = grouped_rollout(model, tokenizer, prompts)
+    weights = torch.ones(rollout.completion_ids.shape)
+    plain, _ = logprobs_and_grad(model, rollout, weights)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    monkeypatch.setattr(type(model), "is_activation_checkpointing", property(lambda self: False))
+    undetected, _ = logprobs_and_grad(model, rollout, weights)
+    torch.testing.assert_close(undetected, plain, atol=1e-5, rtol=0)
