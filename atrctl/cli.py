@@ -350,8 +350,14 @@ def _train_with_display(config, directory: Path, results: Path, resume: bool, ov
                 status += f"  eval greedy {record['eval/greedy']:.1%} pass@1 {record['eval/pass@1']:.1%}"
             progress.update(bars["train"], completed=record["step"], status=status)
 
-        return run_training(config, directory, results=results, resume=resume, overwrite=overwrite,
-                            on_step=on_step, on_warmup=on_warmup)
+        try:
+            return run_training(config, directory, results=results, resume=resume, overwrite=overwrite,
+                                on_step=on_step, on_warmup=on_warmup)
+        finally:
+            if not bars:  # nothing was shown (bad input): stop quietly, without rich's closing blank line
+                progress.live.transient = True
+                progress.live.stop()
+                progress.disable = True
 
 
 def _parse_ks(text: str | None, n: int) -> list[int]:

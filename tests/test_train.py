@@ -384,8 +384,10 @@ def cli(results, *args):
 def test_bad_recipe_exits_2_and_leaves_no_run_directory(results, capsys, bad):
     before = sorted(p.name for p in results.iterdir())
     assert cli(results, "--name", "bad", *bad) == 2
-    err = capsys.readouterr().err.strip()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    assert captured.out == ""  # not even a blank line from the progress display
     assert not (results / "bad").exists()
     assert sorted(p.name for p in results.iterdir()) == before
 
