@@ -73,20 +73,6 @@ def bootstrap_ci(values: np.ndarray, *, resamples: int = 2000, seed: int = 0,
     return _bootstrap(_problem_means(values), resamples, seed, level)
 
 
-def paired_difference_ci(a: np.ndarray, b: np.ndarray, *, resamples: int = 2000, seed: int = 0,
-                         level: float = 0.95) -> tuple[float, float, float]:
-    """(mean of b - mean of a, low, high) with the same problems resampled for both.
-
-    Pairing removes the problem-difficulty variance both share, so the interval is much tighter than
-    two separate ones; a and b are [P] or [S, P] over the same P problems (seed counts may differ).
-    """
-    a_means, b_means = _problem_means(a), _problem_means(b)
-    if a_means.shape != b_means.shape:
-        raise ValueError(f"a and b must cover the same problems, got {a_means.size} and {b_means.size}")
-    diff = b_means - a_means
-    return (float(diff.mean()), *_bootstrap(diff, resamples, seed, level))
-
-
 def majority_correct(parsed: Sequence[Sequence[str | None]], rewards: np.ndarray, k: int) -> np.ndarray:
     """Per problem, whether the most common parsed answer among its first k samples is correct: [P] bool.
 
