@@ -30,7 +30,7 @@ from atrctl import __version__, distributed, io
 from atrctl.advantages import group_advantages
 from atrctl.batching import chunk_seed, concat_rollouts, micro_parts, parts, rank_positions, rows, sampling_chunks
 from atrctl.checkpoint import TrainState, capture_rng, find_checkpoint, load_checkpoint, restore_rng, save_checkpoint
-from atrctl.config import Recipe, recipe_to_dict, to_toml
+from atrctl.config import AlgoConfig, Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
 from atrctl.losses import POLICY_LOSSES, policy_loss
 from atrctl.sampling import Rollout, completion_logprobs, completion_logprobs_and_entropy, decode_completions, sample
@@ -113,13 +113,20 @@ def validate_algo(recipe: Recipe, world: int | None = None) -> None:
         raise UserError(f"algo.args for '{algo.loss}': {error}") from None
 
 
-def recomputes_old_logprobs(setting: str, device: torch.device) -> bool:
-    """Whether the ratio's denominator needs its own forward pass (see `AlgoConfig.old_logprobs`).
+def is_on_policy(algo: AlgoConfig) -> bool:
+    """One optimiser step per rollout: the ratio is exactly 1 and the current logprobs are the old ones."""
+    return algo.num_iterations == 1 and algo.minibatches == 1
 
-    In float32 the sampler's KV-cache logprobs equal a full forward pass's to ~1e-6 (tested), so
-    reusing them saves a forward pass over the whole batch; bf16 autocast (CUDA) differs by far more.
+
+def recomputes_old_logprobs(algo: AlgoConfig, device: torch.device) -> bool:
+    """Whether the update runs a forward pass for the ratio's denominator (see `AlgoConfig.old_logprobs`).
+
+    Only off-policy updates need old logprobs.  In float32 the sampler's KV-cache logprobs equal a full
+    forward pass's to ~1e-6 (tested), so reusing them saves a forward pass over the whole batch; bf16
+    autocast (CUDA) differs by far more.
     """
-    return setting == "recompute" or (setting == "auto" and device.type == "cuda")
+    reuse = algo.old_logprobs == "sampler" or (algo.old_logprobs == "auto" and device.type != "cuda")
+    return not is_on_policy(algo) and not reuse
 
 
 def combine_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
@@ -255,10 +262,10 @@ def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int,
     algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch(run.device)
     minibatches = parts(advantages.shape[0], algo.minibatches)
     micro = [w for part in minibatches for w in micro_parts(part, algo.micro_batch)]
-    on_policy = algo.num_iterations == 1 and algo.minibatches == 1
+    on_policy = is_on_policy(algo)
     old_logp = ref_logp = None
     with clock("logprobs"), torch.no_grad(), run.autocast():
-        if not on_policy and recomputes_old_logprobs(algo.old_logprobs, run.device):
+        if recomputes_old_logprobs(algo, run.device):
             old_logp = _logprobs(run.model, rollout, micro, cfg.rollout.temperature)
         elif not on_policy:
             old_logp = rollout.logprobs

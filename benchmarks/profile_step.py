@@ -16,10 +16,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from fresh_models import save_model  # benchmarks/ is on sys.path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
 from atrctl.config import load_recipe
-from atrctl.models import build_char_tokenizer, build_model, set_cpu_threads
+from atrctl.models import set_cpu_threads
 from atrctl.train import STEP_PHASES, build_run, train_step
 
 
@@ -34,11 +35,8 @@ def main() -> None:
     set_cpu_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        tokenizer = build_char_tokenizer()
-        build_model(args.preset, tokenizer, seed=0).save_pretrained(scratch / "model")
-        tokenizer.save_pretrained(scratch / "model")
-        recipe = load_recipe("recipes/default.toml", [f"model.base={scratch / 'model'}", "model.device=cpu",
-                                                      *args.set])
+        recipe = load_recipe("recipes/default.toml", [f"model.base={save_model(args.preset, scratch)}",
+                                                      "model.device=cpu", *args.set])
         run = build_run(recipe, scratch / "run", scratch)
         for step in range(3):
             train_step(run, step)

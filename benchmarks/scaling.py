@@ -26,33 +26,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+from fresh_models import QWEN_HALF_B_SHAPE, save_model  # benchmarks/ is on sys.path when run as a script
 
 from atrctl.config import load_recipe
-from atrctl.models import build_char_tokenizer, build_model, set_cpu_threads
+from atrctl.models import set_cpu_threads
 from atrctl.train import build_run, recomputes_old_logprobs, train_step
 
 EOS_PENALTY = 30.0
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
-
-
-def qwen_half_b_shape(tokenizer):
-    """Qwen2.5-0.5B's body (24 × 896, GQA 14/2, MLP 4864) on the character vocabulary, from config."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                         rope_theta=1_000_000.0, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config)
-
-
-def save_model(name: str, directory: Path) -> Path:
-    tokenizer = build_char_tokenizer()
-    model = qwen_half_b_shape(tokenizer) if name == "qwen2.5-0.5b-shape" else build_model(name, tokenizer, seed=0)
-    model.save_pretrained(directory / name)
-    tokenizer.save_pretrained(directory / name)
-    return directory / name
 
 
 def suppress_eos(run) -> None:
@@ -74,8 +55,7 @@ def model_flops_per_step(run, generated: float, prompts: int, prompt_tokens: int
     generated token), old logprobs when recomputed (a forward), and μ passes of forward + backward
     (the prompt once per group)."""
     n, tokens = flop_parameters(run.model), prompts * prompt_tokens + generated
-    on_policy = run.recipe.algo.num_iterations == 1 and run.recipe.algo.minibatches == 1
-    recompute = not on_policy and recomputes_old_logprobs(run.recipe.algo.old_logprobs, run.device)
+    recompute = recomputes_old_logprobs(run.recipe.algo, run.device)
     return 2 * n * tokens * (1 + recompute) + 6 * n * tokens * run.recipe.algo.num_iterations
 
 
@@ -131,7 +111,7 @@ def gpu_section(args: argparse.Namespace, scratch: Path) -> None:
           f"max_new_tokens {args.gpu_length}, {args.minibatches} mini-batches")
     print("| model | parameters | step s | tokens/s | sampling share | model TFLOP/s | MFU |")
     print("|---|---|---|---|---|---|---|")
-    for model in ("medium", "qwen2.5-0.5b-shape"):
+    for model in ("medium", QWEN_HALF_B_SHAPE):
         model_dir = save_model(model, scratch)
         cell = measure(model_dir, scratch, "cuda", args.gpu_prompts, args.gpu_group, args.gpu_length, args.steps,
                        args.minibatches)

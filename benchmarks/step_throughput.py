@@ -19,9 +19,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from fresh_models import save_model  # benchmarks/ is on sys.path when run as a script
 
 from atrctl.config import load_recipe
-from atrctl.models import build_char_tokenizer, build_model, set_cpu_threads
+from atrctl.models import set_cpu_threads
 from atrctl.train import STEP_PHASES, build_run, train_step
 
 LOSSES = ("grpo", "atr")
@@ -77,11 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         for preset in args.presets:
-            tokenizer = build_char_tokenizer()
-            model_dir = scratch / preset
-            build_model(preset, tokenizer, seed=0).save_pretrained(model_dir)
-            tokenizer.save_pretrained(model_dir)
-            report(preset, measure(model_dir, scratch, args.steps, args.warmup))
+            report(preset, measure(save_model(preset, scratch), scratch, args.steps, args.warmup))
 
 
 if __name__ == "__main__":

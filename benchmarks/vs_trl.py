@@ -211,7 +211,7 @@ def main() -> None:
         print(RESULT + json.dumps(result), flush=True)
         return
 
-    from scaling import save_model  # benchmarks/ is on sys.path when this file runs as a script
+    from fresh_models import save_model  # benchmarks/ is on sys.path when this file runs as a script
 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)

@@ -21,7 +21,7 @@ from atrctl import train as train_module
 from atrctl.bases import ensure_base
 from atrctl.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from atrctl.cli import main
-from atrctl.config import load_recipe, recipe_from_dict
+from atrctl.config import AlgoConfig, load_recipe, recipe_from_dict
 from atrctl.errors import UserError
 from atrctl.losses import LossOutput
 from atrctl.train import STEP_PHASES, TrainingStopped, lr_at, prompts_for_step, recomputes_old_logprobs, train
@@ -167,8 +167,12 @@ def test_first_pass_is_on_policy(short_run):
 
 def test_old_logprobs_are_recomputed_only_where_the_sampler_is_not_float32_exact():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert not recomputes_old_logprobs("auto", cpu) and recomputes_old_logprobs("auto", cuda)
-    assert recomputes_old_logprobs("recompute", cpu) and not recomputes_old_logprobs("sampler", cuda)
+    def algo(old_logprobs, minibatches=4):
+        return AlgoConfig(old_logprobs=old_logprobs, minibatches=minibatches)
+
+    assert not recomputes_old_logprobs(algo("auto"), cpu) and recomputes_old_logprobs(algo("auto"), cuda)
+    assert recomputes_old_logprobs(algo("recompute"), cpu) and not recomputes_old_logprobs(algo("sampler"), cuda)
+    assert not recomputes_old_logprobs(algo("recompute", minibatches=1), cpu)  # on-policy: no old logprobs at all
 
 
 @pytest.mark.parametrize("old_logprobs", ["recompute", "sampler"])

@@ -1,0 +1,37 @@
+"""Freshly initialised models saved as ordinary model directories, for the benchmarks.
+
+A model directory is what `atrctl train` (model.base) and TRL both load, so every benchmark side
+starts from identical weights.  Untrained models emit completions up to max_new_tokens: the worst
+case for sampling.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from atrctl.models import build_char_tokenizer, build_model
+
+QWEN_HALF_B_SHAPE = "qwen2.5-0.5b-shape"
+
+
+def qwen_half_b_shape(tokenizer):
+    """Qwen2.5-0.5B's body (24 × 896, GQA 14/2, MLP 4864) on the character vocabulary, from config."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_theta=1_000_000.0, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def save_model(name: str, directory: Path) -> Path:
+    """Build `name` (a preset or the Qwen2.5-0.5B shape) with seed 0; save it with its tokenizer to directory/name."""
+    tokenizer = build_char_tokenizer()
+    model = qwen_half_b_shape(tokenizer) if name == QWEN_HALF_B_SHAPE else build_model(name, tokenizer, seed=0)
+    model.save_pretrained(directory / name)
+    tokenizer.save_pretrained(directory / name)
+    return directory / name
