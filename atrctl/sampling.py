@@ -80,15 +80,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     probability; a zero-probability entry is never chosen (the draw lands strictly inside a
     positive-width CDF step).
     """
-    total = probs.sum(-1)
-    if not bool((torch.isfinite(total) & (total > 0)).all()):
-        raise RuntimeError("sampling probabilities are NaN, infinite or all zero: the model's logits are not finite")
     if probs.device.type != "cpu":
+        _check_totals(probs.sum(-1))
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
     cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]  # the row sums, for free
+    _check_totals(total)
     u = torch.rand((probs.shape[0], 1), dtype=torch.float64, generator=generator)
-    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    token = torch.searchsorted(cdf, u * total, right=True)
     return token.clamp(max=probs.shape[-1] - 1)[:, 0]
+
+
+def _check_totals(total: torch.Tensor) -> None:
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise RuntimeError("sampling probabilities are NaN, infinite or all zero: the model's logits are not finite")
 
 
 def preallocated_cache(model: PreTrainedModel, capacity: int):
