@@ -18,3 +18,14 @@ def one_cpu_thread():
     else:
         os.environ["ATRCTL_THREADS"] = previous
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, request):
+    """A results folder holding the one warm base every run of the module starts from: that of the
+    module's own `recipe()` (its fast settings)."""
+    from atrctl.bases import ensure_base
+
+    folder = tmp_path_factory.mktemp("results")
+    ensure_base(request.module.recipe(), folder)
+    return folder

@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atrctl.bases import ensure_base
 from atrctl.batching import chunk_seed, concat_rollouts, micro_parts, parts, rank_positions, sampling_chunks
 from atrctl.config import load_recipe
 from atrctl.errors import UserError
@@ -34,13 +33,6 @@ def recipe(*overrides):
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("results")
-    ensure_base(recipe(), folder)
-    return folder
 
 
 def weights(directory):

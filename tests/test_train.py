@@ -51,14 +51,6 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """A results folder holding the one warm base every run of this module starts from."""
-    folder = tmp_path_factory.mktemp("results")
-    ensure_base(recipe(), folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def base_weights(results):
     path, _ = ensure_base(recipe(), results)
     return AutoModelForCausalLM.from_pretrained(path).state_dict()
