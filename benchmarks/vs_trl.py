@@ -211,7 +211,14 @@ def main() -> None:
         print(RESULT + json.dumps(result), flush=True)
         return
 
+    import importlib.util
+
     from fresh_models import save_model  # benchmarks/ is on sys.path when this file runs as a script
+
+    if importlib.util.find_spec("trl") is None:
+        print('error: TRL is not installed; it is a benchmark-only extra: pip install torch==2.13.0 -e ".[bench]"',
+              file=sys.stderr)
+        sys.exit(2)
 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
