@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from atrctl.sampling import Rollout
+from atrctl.rollout import Rollout
 
 
 def rank_positions(prompts: int, minibatches: int, world: int, rank: int) -> list[int]:
@@ -39,7 +39,7 @@ def sampling_chunks(positions: list[int], group_size: int, sample_batch: int) ->
     return chunks
 
 
-def chunk_seed(seed: int, step: int, position: int) -> int:
+def rollout_seed(seed: int, step: int, position: int) -> int:
     """Seed of the generator that samples the chunk starting at `position` of step `step`."""
     return ((seed * 1_000_003 + step) * 1_000_033 + position) % (2**63)
 

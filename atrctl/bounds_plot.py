@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and no global pyplot state
 
-from atrctl.divergence import k2, k3, kl3_bounds, ratio_deviation, reverse_k3, trust_region
+from atrctl.divergence import kl2, kl3, kl3_bounds, ratio_deviation, reverse_kl3, trust_region
 
 CURVES = (  # (label, measure, trust-region name whose interval it draws, colour)
-    ("k3 = w−1−ln w  (atr)", k3, "atr", "tab:red"),
-    ("k2 = ½ln²w", k2, "k2", "tab:blue"),
-    ("reverse k3 = w ln w−w+1", reverse_k3, "reverse-kl3", "tab:green"),
+    ("kl3 = w−1−ln w  (atr)", kl3, "atr", "tab:red"),
+    ("kl2 = ½ln²w", kl2, "kl2", "tab:blue"),
+    ("reverse kl3 = w ln w−w+1", reverse_kl3, "reverse-kl3", "tab:green"),
 )
 GRPO_COLOUR = "0.35"
 
@@ -48,7 +48,7 @@ def bounds_figure(max_kl3s: Sequence[float], eps: float) -> Figure:
     ax_div.set_ylim(0, max(2.5 * deltas[-1], 1.5 * eps))
     ax_div.set_xlim(0, 3)
     ax_div.set(xlabel="ratio w = π_θ / π_old", ylabel="D(w)",
-               title="(a) divergence of one token; shaded: KL3 region k3 ≤ δ")
+               title="(a) divergence of one token; shaded: KL3 region kl3 ≤ δ")
     ax_div.legend(loc="upper center", fontsize=8)
 
     # (b) the clipped surrogate min(wA, clip(w)A) for both signs of A

@@ -12,6 +12,7 @@ import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from atrctl.divergence import trust_region
 
@@ -57,12 +58,12 @@ def region_row(method: str, **params: float) -> RegionRow:
 
 
 def method_rows(max_kl3s: Sequence[float], eps: float, eps_high: float) -> list[RegionRow]:
-    """grpo and dapo at the given eps's, then atr, k2 and reverse-kl3 at each delta (same level, to compare)."""
+    """grpo and dapo at the given eps's, then atr, kl2 and reverse-kl3 at each delta (same level, to compare)."""
     rows = [region_row("grpo", eps=eps), region_row("dapo", eps_low=eps, eps_high=eps_high)]
     for delta in max_kl3s:
         rows += [
             region_row("atr", max_kl3=delta),
-            region_row("k2", delta=delta),
+            region_row("kl2", delta=delta),
             region_row("reverse-kl3", delta=delta),
         ]
     return rows
@@ -86,3 +87,17 @@ def to_csv(methods: Sequence[RegionRow], sweep: Sequence[RegionRow]) -> str:
             writer.writerow([table] + [repr(v) if isinstance(v, float) else v
                                        for v in (getattr(row, c) for c in CSV_COLUMNS[1:])])
     return out.getvalue()
+
+
+def write_bounds(figure_path: Path, max_kl3s: Sequence[float], eps: float, methods: Sequence[RegionRow],
+                 sweep: Sequence[RegionRow]) -> Path:
+    """The figure (format from its suffix) and, beside it, both tables as CSV, each replaced atomically."""
+    from atrctl import atomic
+    from atrctl.bounds_plot import bounds_figure
+
+    csv_path = figure_path.with_suffix(".csv")
+    figure = bounds_figure(max_kl3s, eps)
+    with atomic.atomic_path(figure_path) as tmp:
+        figure.savefig(tmp, format=figure_path.suffix.lstrip("."), dpi=130)
+    atomic.write_text(csv_path, to_csv(methods, sweep))
+    return csv_path

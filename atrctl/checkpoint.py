@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from atrctl import io
+from atrctl import atomic
 from atrctl.errors import UserError
 
 
@@ -58,7 +58,7 @@ def save_checkpoint(directory: Path, model, optimizer, state: TrainState) -> Non
         weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
         save_file(_untie(weights), staging / "model.safetensors")
         torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-        io.write_text(staging / "state.json", json.dumps(asdict(state)) + "\n")
+        atomic.write_text(staging / "state.json", json.dumps(asdict(state)) + "\n")
         os.chmod(staging, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary result
         previous = directory.with_name(directory.name + ".old")
         if directory.exists():

@@ -1,7 +1,9 @@
-"""The `atrctl` command line: parse, call the core, print.  No logic lives here.
+"""The `atrctl` command line: parse the flags, call the core, print what it returns.
 
-Heavy libraries (torch, transformers) are imported inside the commands that
-need them, so `atrctl --help` and `atrctl plot-bounds` start quickly.
+The work is done by core functions callable from Python (`atrctl.train.train`,
+`atrctl.evaluation.run_evaluation`, `atrctl.compare.run_comparison`, ...); what is shown is
+`atrctl.display`.  Heavy libraries (torch, transformers) are imported inside the commands that need
+them, so `atrctl --help` and `atrctl plot-bounds` start quickly.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import math
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NamedTuple
+from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from atrctl import __version__
+from atrctl.config import OptimConfig, RolloutConfig, RunConfig
+from atrctl.display import console, stderr
+from atrctl.divergence import region_defaults
 from atrctl.errors import UserError
 
 app = typer.Typer(
@@ -25,8 +29,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get whole tables
-stderr = Console(stderr=True)
+# Loss defaults for the help texts, read from the trust-region registry (one source).
+MAX_KL3, EPS = region_defaults("atr")["max_kl3"], region_defaults("grpo")["eps"]
+EPS_HIGH = region_defaults("dapo")["eps_high"]
 
 
 def _show_version(value: bool) -> None:
@@ -59,9 +64,6 @@ def _unit_open(value: float, flag: str) -> float:
     return value
 
 
-# -------------------------------------------------------------- plot-bounds
-
-
 class FigureFormat(str, Enum):
     png = "png"
     svg = "svg"
@@ -92,72 +94,56 @@ def _prepare_directory(path: Path) -> None:
         raise UserError(f"--out {path} is a directory; give a file path such as {path / 'bounds.png'}")
 
 
+# -------------------------------------------------------------- plot-bounds
+
+
 @app.command("plot-bounds")
 def plot_bounds(
     max_kl3: Annotated[
         list[float], typer.Option("--max-kl3", help="KL3 level δ of ATR-GRPO; repeat to overlay several.")
-    ] = [0.1],  # noqa: B006 - typer reads the default, it is never mutated
-    eps: Annotated[float, typer.Option(help="GRPO clip ε (and DAPO's ε_low), in (0, 1).")] = 0.2,
-    eps_high: Annotated[float, typer.Option(help="DAPO's clip-higher ε_high, > 0.")] = 0.28,
+    ] = [MAX_KL3],  # noqa: B006 - typer reads the default, it is never mutated
+    eps: Annotated[float, typer.Option(help="GRPO clip ε (and DAPO's ε_low), in (0, 1).")] = EPS,
+    eps_high: Annotated[float, typer.Option(help="DAPO's clip-higher ε_high, > 0.")] = EPS_HIGH,
     out: Annotated[
         Path | None, typer.Option(help="Figure path \\[default: results/bounds/bounds-kl3-<δ>.png]; CSV beside it.")
     ] = None,
     fmt: Annotated[FigureFormat | None, typer.Option("--format", help="Figure format.")] = None,
 ) -> None:
     """Show the ratio interval each divergence constraint implies: table, CSV and figure."""
-    from atrctl.divergence import MAX_KL3
+    from atrctl import display
+    from atrctl.divergence import MAX_KL3 as LIMIT
 
     for delta in max_kl3:
-        if _positive(delta, "--max-kl3") > MAX_KL3:
-            raise UserError(f"--max-kl3 must be at most {MAX_KL3:g} (got {delta}); typical values are 0.01-0.2")
+        if _positive(delta, "--max-kl3") > LIMIT:
+            raise UserError(f"--max-kl3 must be at most {LIMIT:g} (got {delta}); typical values are 0.01-0.2")
     _unit_open(eps, "--eps")
     _positive(eps_high, "--eps-high")
     figure_path = _figure_path(out, fmt, max_kl3)
     _prepare_directory(figure_path)
 
-    from atrctl import bounds_table, io
-    from atrctl.bounds_plot import bounds_figure
+    from atrctl import bounds_table
 
-    methods = bounds_table.method_rows(max_kl3, eps, eps_high)
-    sweep = bounds_table.sweep_rows()
-    console.print(_methods_table(methods))
-    console.print(_sweep_table(sweep))
-
-    csv_path = figure_path.with_suffix(".csv")
-    figure = bounds_figure(max_kl3, eps)
+    methods, sweep = bounds_table.method_rows(max_kl3, eps, eps_high), bounds_table.sweep_rows()
+    console.print(display.methods_table(methods))
+    console.print(display.sweep_table(sweep))
     try:
-        with io.atomic_path(figure_path) as tmp:
-            figure.savefig(tmp, format=figure_path.suffix.lstrip("."), dpi=130)
-        io.write_text(csv_path, bounds_table.to_csv(methods, sweep))
+        csv_path = bounds_table.write_bounds(figure_path, max_kl3, eps, methods, sweep)
     except OSError as error:
         raise UserError(f"--out {figure_path}: cannot write ({error.strerror}); choose a writable path") from None
     console.print(f"wrote {figure_path} and {csv_path}")
 
 
-def _methods_table(rows):
-    from rich.table import Table
-
-    table = Table(title=r"Trust regions in ratio space: clip w = π_θ/π_old to \[l, u]")
-    table.caption = "TRL: epsilon / epsilon_high; verl: clip_ratio_low / clip_ratio_high — the same two numbers"
-    for column in ("method", "setting", "l", "u", "1 − l", "u − 1", "ln l", "ln u", "TRL / verl settings"):
-        table.add_column(column, justify="left" if column in ("method", "setting") else "right")
-    for row in rows:
-        table.add_row(row.method, row.setting, f"{row.low:.6f}", f"{row.high:.6f}", f"{row.eps_low:.4f}",
-                      f"{row.eps_high:.4f}", f"{row.log_low:.4f}", f"{row.log_high:.4f}",
-                      f"{row.eps_low:.6g} / {row.eps_high:.6g}")
-    return table
+# ------------------------------------------------------------------- ls
 
 
-def _sweep_table(rows):
-    from rich.table import Table
+@app.command("ls")
+def list_registered() -> None:
+    """List what recipes can name: losses (with parameters), trust regions, estimators, tasks, backends, recipes."""
+    from atrctl import display
+    from atrctl.catalog import sections
 
-    table = Table(title="ATR-GRPO: KL3 level δ → ratio bounds and the equivalent clip ε's")
-    for column in ("max_kl3 δ", "l", "u", "eps_low = 1 − l", "eps_high = u − 1", "(u − 1) / (1 − l)"):
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(row.setting.split("=")[1], f"{row.low:.6f}", f"{row.high:.6f}", f"{row.eps_low:.6f}",
-                      f"{row.eps_high:.6f}", f"{row.eps_high / row.eps_low:.3f}")
-    return table
+    for section in sections():
+        console.print(display.catalog_table(section.title, section.columns, section.rows))
 
 
 # ------------------------------------------------------------------- warmup
@@ -175,6 +161,9 @@ RecipeOption = Annotated[Path | None, typer.Option("--recipe", help="TOML recipe
 SetOption = Annotated[
     list[str] | None, typer.Option("--set", help="Override any recipe key: section.key=value (repeatable).")
 ]
+NprocOption = Annotated[
+    int | None, typer.Option(help="Data-parallel processes: relaunches itself under torchrun \\[default: 1].")
+]
 
 
 @app.command()
@@ -185,29 +174,17 @@ def warmup(
     results: Annotated[Path, typer.Option(help="Results folder; bases live in <results>/bases/.")] = Path("results"),
 ) -> None:
     """Build (or reuse) the warmed-up base model of a recipe and report its held-out greedy accuracy."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from atrctl.bases import base_key, ensure_base
+    from atrctl import display
+    from atrctl.base_cache import base_key, ensure_base
     from atrctl.config import load_recipe
     from atrctl.models import PRESETS
 
     _quiet_libraries()
-    overrides = list(set_ or []) + ([f"warmup.seed={seed}"] if seed is not None else [])
-    config = load_recipe(recipe, overrides)
+    config = load_recipe(recipe, list(set_ or []) + ([f"warmup.seed={seed}"] if seed is not None else []))
     if config.model.base not in PRESETS:
         raise UserError(f"model.base '{config.model.base}' is not a preset ({', '.join(PRESETS)}): "
                         "real models are used as they are, without a warm-up")
-    columns = (TextColumn("warm-up"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        bar = progress.add_task("warm-up", total=config.warmup.max_steps, status="")
-        shown = {"accuracy": "–"}
-
-        def on_progress(step: int, loss: float, accuracy: float | None) -> None:
-            if accuracy is not None:
-                shown["accuracy"] = f"{accuracy:.1%}"
-            progress.update(bar, completed=step, status=f"loss {loss:.3f}  held-out greedy {shown['accuracy']}")
-
+    with display.warmup_bar(config.warmup.max_steps) as on_progress:
         path, info = ensure_base(config, results, on_progress)
     console.print(f"base {base_key(config)}: held-out greedy accuracy {info['accuracy']:.1%} "
                   f"after {info['steps']} steps in {info['seconds']:.1f} s  →  {path}")
@@ -216,27 +193,31 @@ def warmup(
 # -------------------------------------------------------------------- train
 
 
-def _train_overrides(algo, max_kl3, eps, eps_high, steps, seed, group_size, prompts, lr, device, tensorboard):
-    """The common flags as recipe overrides (applied after --recipe and before --set)."""
-    pairs = [("algo.loss", algo), ("run.steps", steps), ("run.seed", seed), ("rollout.group_size", group_size),
-             ("rollout.prompts", prompts), ("optim.lr", lr), ("model.device", device),
-             ("run.tensorboard", "true" if tensorboard else None), ("algo.args.max_kl3", max_kl3),
-             ("algo.args.eps" if algo in (None, "grpo") else "algo.args.eps_low", eps),
-             ("algo.args.eps_high", eps_high)]
-    return [f"{key}={value}" for key, value in pairs if value is not None]
+def _recipe_with_flags(recipe: Path | None, flags: dict, sets: list[str], max_kl3, eps, eps_high):
+    """The recipe with the common flags applied after --recipe and before --set; --max-kl3 / --eps /
+    --eps-high become the parameters of whichever loss the recipe ends up with."""
+    from atrctl.config import load_recipe
+    from atrctl.losses import POLICY_LOSSES, flag_parameters
+
+    common = [f"{key}={value}" for key, value in flags.items() if value is not None]
+    loss = load_recipe(recipe, common + sets).algo.loss
+    loss_args = flag_parameters(loss, max_kl3, eps, eps_high) if loss in POLICY_LOSSES else \
+        {k: v for k, v in (("max_kl3", max_kl3), ("eps", eps), ("eps_high", eps_high)) if v is not None}
+    return load_recipe(recipe, common + [f"algo.args.{key}={value}" for key, value in loss_args.items()] + sets)
 
 
 @app.command()
 def train(
-    algo: Annotated[str | None, typer.Option(help="Policy loss: atr (default), grpo, dapo, k2, kl-band, ...")] = None,
-    max_kl3: Annotated[float | None, typer.Option(help="ATR-GRPO's KL3 level δ \\[default: 0.1].")] = None,
-    eps: Annotated[float | None, typer.Option(help="Clip ε of grpo (ε_low of dapo/gspo/cispo).")] = None,
+    ctx: typer.Context,
+    algo: Annotated[str | None, typer.Option(help="Policy loss \\[default: atr]; `atrctl ls` lists them.")] = None,
+    max_kl3: Annotated[float | None, typer.Option(help=f"ATR-GRPO's KL3 level δ \\[default: {MAX_KL3}].")] = None,
+    eps: Annotated[float | None, typer.Option(help=f"Clip ε of grpo (ε_low of dapo/gspo/cispo) \\[default: {EPS}].")] = None,
     eps_high: Annotated[float | None, typer.Option(help="Upper clip ε_high of dapo/gspo/cispo.")] = None,
-    steps: Annotated[int | None, typer.Option(help="RL steps \\[default: 300].")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed of prompt order and sampling \\[default: 0].")] = None,
-    group_size: Annotated[int | None, typer.Option(help="Completions per prompt G \\[default: 8].")] = None,
-    prompts: Annotated[int | None, typer.Option(help="Prompts per step \\[default: 64].")] = None,
-    lr: Annotated[float | None, typer.Option(help="Learning rate \\[default: 2e-4].")] = None,
+    steps: Annotated[int | None, typer.Option(help=f"RL steps \\[default: {RunConfig.steps}].")] = None,
+    seed: Annotated[int | None, typer.Option(help=f"Seed of prompt order and sampling \\[default: {RunConfig.seed}].")] = None,
+    group_size: Annotated[int | None, typer.Option(help=f"Completions per prompt G \\[default: {RolloutConfig.group_size}].")] = None,
+    prompts: Annotated[int | None, typer.Option(help=f"Prompts per step \\[default: {RolloutConfig.prompts}].")] = None,
+    lr: Annotated[float | None, typer.Option(help=f"Learning rate \\[default: {OptimConfig.lr:g}].")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda \\[default: auto].")] = None,
     name: Annotated[
         str | None, typer.Option(help="Run name: results/<name>/ \\[default: <algo>-<task>-s<seed>-<time>].")
@@ -247,60 +228,63 @@ def train(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory of the same name.")] = False,
     tensorboard: Annotated[bool, typer.Option(help="Also write TensorBoard event files.")] = False,
     results: Annotated[Path, typer.Option(help="Results folder.")] = Path("results"),
-    nproc: Annotated[
-        int | None, typer.Option(help="Data-parallel processes: relaunches itself under torchrun \\[default: 1].")
-    ] = None,
+    nproc: NprocOption = None,
 ) -> None:
     """Train a policy with GRPO, ATR-GRPO or another registered loss."""
-    import time as clock
-
-    from atrctl import distributed
-    from atrctl.config import load_recipe, recipe_of_run
+    from atrctl import display, distributed
+    from atrctl.rundir import RunDir, default_run_name
 
     _quiet_libraries()
-    overrides = _train_overrides(algo, max_kl3, eps, eps_high, steps, seed, group_size, prompts, lr, device,
-                                 tensorboard) + list(set_ or [])
+    flags = {"algo.loss": algo, "run.steps": steps, "run.seed": seed, "rollout.group_size": group_size,
+             "rollout.prompts": prompts, "optim.lr": lr, "model.device": device,
+             "run.tensorboard": "true" if tensorboard else None}
+    loss_flags = (max_kl3, eps, eps_high)
     if resume is not None:
-        if overrides or recipe is not None or name is not None or overwrite:
+        given = any(v is not None for v in (*flags.values(), *loss_flags)) or set_ or recipe or name or overwrite
+        if given:
             raise UserError("--resume continues a run with its own recorded recipe: drop the other options")
-        directory = resume
-        config = recipe_of_run(directory)
-        results = directory.parent  # the run's own results folder holds its base
+        run_dir = RunDir(resume)
+        config = run_dir.recipe()
+        results = resume.parent  # the run's own results folder holds its base
     else:
-        config = load_recipe(recipe, overrides)
-        stamp = clock.strftime("%Y%m%d-%H%M%S")
-        directory = results / (name or f"{config.algo.loss}-{config.task.name}-s{config.run.seed}-{stamp}")
+        config = _recipe_with_flags(recipe, flags, list(set_ or []), *loss_flags)
+        run_dir = RunDir(results / (name or default_run_name(config)))
 
-    from atrctl.train import TrainingStopped, check_run_directory, validate_algo
+    from atrctl.train import TrainingStopped, validate_algo
+    from atrctl.train import train as run_training
 
     if nproc is not None and (nproc < 1 or distributed.world_size() > 1):
         raise UserError(f"--nproc {nproc}: give a count >= 1, and only outside torchrun (which sets its own)")
     validate_algo(config, nproc)
     main_rank = distributed.is_main()
     if main_rank:
-        check_run_directory(directory, resume is not None, overwrite)
+        run_dir.check_can_start(resume is not None, overwrite)
     if nproc is not None and nproc > 1:
-        raise typer.Exit(distributed.relaunch(nproc, _without_nproc(_invocation[1:])))
+        raise typer.Exit(distributed.relaunch(nproc, _without_nproc(ctx.obj.argv)))
     try:
-        summary = _train_with_display(config, directory, results, resume is not None, overwrite)
+        if main_rank:
+            with display.training_bars(config.algo.loss, config.run.steps, config.warmup.max_steps) as (warm, step):
+                summary = run_training(config, run_dir.path, results=results, resume=resume is not None,
+                                       overwrite=overwrite, on_step=step, on_warmup=warm)
+        else:  # under torchrun only rank 0 shows and reports; the others train silently
+            run_training(config, run_dir.path, results=results, resume=resume is not None, overwrite=overwrite)
+            return
     except KeyboardInterrupt:
         from atrctl.checkpoint import find_checkpoint
 
         if not main_rank:
             raise typer.Exit(130) from None
-        if find_checkpoint(directory / "checkpoint") is None:
-            stderr.print(f"interrupted before the first checkpoint: nothing to resume in {directory}")
+        if find_checkpoint(run_dir.checkpoint) is None:
+            stderr.print(f"interrupted before the first checkpoint: nothing to resume in {run_dir.path}")
         else:
-            stderr.print(f"interrupted: checkpoint saved; continue with  atrctl train --resume {directory}")
+            stderr.print(f"interrupted: checkpoint saved; continue with  atrctl train --resume {run_dir.path}")
         raise typer.Exit(130) from None
     except TrainingStopped as error:
         if main_rank:
             stderr.print(f"error: {error}", markup=False)
         raise typer.Exit(1) from None
-    if summary is None:  # a rank other than 0: it reports nothing
-        return
     base, final = summary["base"], summary["final"]
-    console.print(f"done: {directory}  held-out greedy {base['eval/greedy']:.1%} → {final['eval/greedy']:.1%}, "
+    console.print(f"done: {run_dir.path}  held-out greedy {base['eval/greedy']:.1%} → {final['eval/greedy']:.1%}, "
                   f"sampled pass@1 {base['eval/pass@1']:.1%} → {final['eval/pass@1']:.1%}")
 
 
@@ -317,52 +301,12 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _train_with_display(config, directory: Path, results: Path, resume: bool, overwrite: bool) -> dict | None:
-    """Run training under a rich live bar: step, reward, clip fractions, kl3, entropy, tokens/s, ETA.
-
-    Under torchrun only rank 0 shows it; the other ranks train silently."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from atrctl.distributed import is_main
-    from atrctl.train import train as run_training
-
-    if not is_main():
-        return run_training(config, directory, results=results, resume=resume, overwrite=overwrite)
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-               TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        bars: dict[str, int] = {}  # created when that phase starts: a cached base shows no warm-up bar
-
-        def on_warmup(step: int, loss: float, accuracy: float | None) -> None:
-            if "warmup" not in bars:
-                bars["warmup"] = progress.add_task("warm-up", total=config.warmup.max_steps, status="")
-            status = f"loss {loss:.3f}" + (f"  held-out greedy {accuracy:.1%}" if accuracy is not None else "")
-            progress.update(bars["warmup"], completed=step, status=status)
-
-        def on_step(record: dict) -> None:
-            if "train" not in bars:
-                bars["train"] = progress.add_task(f"train {config.algo.loss}", total=config.run.steps, status="")
-            status = (f"reward {record['reward/mean']:.3f}  clip low {record.get('clip/low', 0):.3f} "
-                      f"high {record.get('clip/high', 0):.3f}  kl3 {record.get('kl3/mean', 0):.2e}  "
-                      f"entropy {record.get('entropy', 0):.3f}  {record['tokens_per_s']:.0f} tok/s")
-            if "eval/greedy" in record:
-                status += f"  eval greedy {record['eval/greedy']:.1%} pass@1 {record['eval/pass@1']:.1%}"
-            progress.update(bars["train"], completed=record["step"], status=status)
-
-        try:
-            return run_training(config, directory, results=results, resume=resume, overwrite=overwrite,
-                                on_step=on_step, on_warmup=on_warmup)
-        finally:
-            if not bars:  # nothing was shown (bad input): stop quietly, without rich's closing blank line
-                progress.live.transient = True
-                progress.live.stop()
-                progress.disable = True
+# --------------------------------------------------------------------- eval
 
 
 def _parse_ks(text: str | None, n: int) -> list[int]:
     """--k '1,2,4' -> [1, 2, 4] (sorted, distinct), each in [1, n]; None -> 1, 2, 4, ... and n."""
-    from atrctl.evaluate import default_ks
+    from atrctl.passk import default_ks
 
     if text is None:
         return default_ks(n)
@@ -388,44 +332,13 @@ def _task_args(pairs: list[str]) -> dict:
     return args
 
 
-class _EvalTarget(NamedTuple):
-    model: str  # a model directory or hub name for load_model
-    task: str
-    task_args: dict
-    chat_template: bool
-    max_new_tokens: int
-    dtype: str
-    problem_seed: int  # the held-out problems training evaluated on (eval.seed), shared by every run
-    directory: Path
-
-
-def _eval_target(target: str, task: str | None, task_args: dict, max_new_tokens: int | None,
-                 out: Path | None) -> _EvalTarget:
-    """What TARGET is evaluated with: a run directory brings its own recipe; a model directory or hub name
-    needs --task and --max-new-tokens."""
-    from atrctl.config import EvalConfig, recipe_of_run
-
-    path = Path(target).expanduser()
-    if (path / "config.toml").is_file():
-        recipe = recipe_of_run(path)
-        if not (path / "model").is_dir():
-            raise UserError(f"run {path} has no final model in {path / 'model'}: finish (or resume) its training")
-        name, args = (task, task_args) if task else (recipe.task.name, {**recipe.task.args, **task_args})
-        return _EvalTarget(str(path / "model"), name, args, recipe.task.chat_template,
-                           max_new_tokens or recipe.rollout.max_new_tokens, recipe.model.dtype, recipe.eval.seed,
-                           out or path / "eval")
-    if task is None:
-        raise UserError(f"{target} is not a run directory (no config.toml): name its task, e.g. --task arith")
-    if max_new_tokens is None:
-        raise UserError(f"{target} is not a run directory: give --max-new-tokens (e.g. 8 for 3-digit arith, "
-                        f"512 for gsm8k) so answers are not silently cut short")
-    stem = path.name if path.name != "model" else path.parent.name
-    return _EvalTarget(target, task, task_args, False, max_new_tokens, "auto", EvalConfig().seed,
-                       out or Path("results") / f"eval-{stem}")
-
-
+def _samples_spelled_out(argv: list[str]) -> list[str]:
+    """--n as --samples: torchrun's own parser reads --n as an ambiguous abbreviation of its options."""
+    return ["--samples" if arg == "--n" else "--samples=" + arg[4:] if arg.startswith("--n=") else arg
+            for arg in argv]
 @app.command("eval")
-def evaluate(
+def eval_command(
+    ctx: typer.Context,
     target: Annotated[str, typer.Argument(help="A run directory, a model directory or a hub name.")],
     task: Annotated[str | None, typer.Option(help=r"Task \[default: the run's]; required for a model.")] = None,
     task_arg: Annotated[
@@ -448,14 +361,13 @@ def evaluate(
         Path | None, typer.Option(help=r"Output folder \[default: <run>/eval, results/eval-<model>].")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing evaluation in the output folder.")] = False,
-    nproc: Annotated[
-        int | None, typer.Option(help="Data-parallel processes: relaunches itself under torchrun \\[default: 1].")
-    ] = None,
+    nproc: NprocOption = None,
 ) -> None:
     """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy: table, CSV, markdown and plot.
 
     Under torchrun (or --nproc) each process samples a share of the problems; rank 0 alone writes and prints."""
-    from atrctl import distributed
+    from atrctl import display, distributed
+    from atrctl.evaluation import eval_target, run_evaluation
 
     if n < 1:
         raise UserError(f"--n must be at least 1 (got {n}); e.g. --n 256")
@@ -469,87 +381,42 @@ def evaluate(
         raise UserError(f"--nproc {nproc}: give a count >= 1, and only outside torchrun (which sets its own)")
     _positive(temperature, "--temperature")
     ks = _parse_ks(k, n)
-    spec = _eval_target(target, task, _task_args(task_arg or []), max_new_tokens, out)
+    spec = eval_target(target, task, _task_args(task_arg or []), max_new_tokens, out)
     if (spec.directory / "passk.csv").exists() and not overwrite:
         raise UserError(f"{spec.directory} already holds an evaluation; pass --overwrite to replace it "
                         f"or --out elsewhere")
     if nproc is not None and nproc > 1:
-        raise typer.Exit(distributed.relaunch(nproc, _samples_spelled_out(_without_nproc(_invocation[1:]))))
-
-    from atrctl.models import resolve_device
-
-    with distributed.process_group(resolve_device(device)):
-        _evaluate_and_write(spec, target, split, n, ks, temperature, problems, seed, device, batch_size)
-
-
-def _samples_spelled_out(argv: list[str]) -> list[str]:
-    """--n as --samples: torchrun's own parser reads --n as an ambiguous abbreviation of its options."""
-    return ["--samples" if arg == "--n" else "--samples=" + arg[4:] if arg.startswith("--n=") else arg
-            for arg in argv]
-
-
-def _evaluate_and_write(spec: _EvalTarget, target: str, split: str, n: int, ks: list[int], temperature: float,
-                        problems: int, seed: int, device: str, batch_size: int) -> None:
-    """Sample (this process's share of) the problems; rank 0 writes the three files and prints the table."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from atrctl import distributed
-    from atrctl.eval_report import write_eval
-    from atrctl.evaluate import evaluate_model
-    from atrctl.models import load_model, set_cpu_threads
-    from atrctl.tasks import get_task
+        raise typer.Exit(distributed.relaunch(nproc, _samples_spelled_out(_without_nproc(ctx.obj.argv))))
 
     _quiet_libraries()
-    evaluated = get_task(spec.task, **spec.task_args)
-    picked = evaluated.problems(split, problems, spec.problem_seed)
-    set_cpu_threads(distributed.cpu_threads_per_rank())
-    model, tokenizer = load_model(spec.model, device, spec.dtype)
-    kwargs = dict(n=n, temperature=temperature, seed=seed, max_new_tokens=spec.max_new_tokens,
-                  chat_template=spec.chat_template, batch_size=batch_size)
+    settings = dict(split=split, problems=problems, n=n, ks=ks, temperature=temperature, seed=seed, device=device,
+                    batch_size=batch_size)
     if not distributed.is_main():
-        evaluate_model(model, tokenizer, evaluated, picked, **kwargs)
+        run_evaluation(spec, target, **settings)
         return
-    columns = (TextColumn("sampling"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
-               TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        bar = progress.add_task("sampling", total=len(picked))  # this process's share once sampling starts
-        result = evaluate_model(model, tokenizer, evaluated, picked, **kwargs,
-                                on_progress=lambda done, total: progress.update(bar, completed=done, total=total))
-    setting = f"{spec.task} {split}, {len(picked)} problems, n={n}, T={temperature:g}"
-    try:
-        paths = write_eval(result, ks, spec.directory, f"{target}: {setting}")
-    except OSError as error:
-        raise UserError(f"cannot write to {spec.directory} ({error.strerror}); use --out elsewhere") from None
-    console.print(_passk_table(result.summary(ks), ks, f"pass@k: {setting}"))
+    with display.sampling_bar(problems) as on_progress:
+        result, setting, paths = run_evaluation(spec, target, **settings, on_progress=on_progress)
+    console.print(display.passk_table(result.summary(ks), ks, f"pass@k: {setting}"))
     console.print("wrote " + ", ".join(str(p) for p in paths))
 
 
-def _passk_table(summary: dict, ks: list[int], title: str):
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=escape(title))
-    table.caption = (f"avg@n {summary['avg@n']:.4f}  greedy {summary['greedy']:.4f}  seed {summary['seed']}  "
-                     f"{summary['seconds']:.1f} s")
-    for column in ("k", "pass@k", "95% CI", "maj@k"):
-        table.add_column(column, justify="right")
-    for k in ks:
-        interval = escape(f"[{summary[f'pass@{k}/low']:.4f}, {summary[f'pass@{k}/high']:.4f}]")
-        table.add_row(str(k), f"{summary[f'pass@{k}']:.4f}", interval, f"{summary[f'maj@{k}']:.4f}")
-    return table
+# ------------------------------------------------------------------ compare
 
 
 @app.command()
 def compare(
+    ctx: typer.Context,
     arms: Annotated[list[str], typer.Argument(help="Losses to train (e.g. grpo atr) or finished run directories.")],
     seeds: Annotated[int, typer.Option(help="Training seeds per arm (0 … seeds-1).")] = 4,
-    steps: Annotated[int | None, typer.Option(help="RL steps per run \\[default: the recipe's, 300].")] = None,
+    steps: Annotated[int | None, typer.Option(help=f"RL steps per run \\[default: the recipe's, {RunConfig.steps}].")] = None,
     n: Annotated[int, typer.Option("--n", help="Samples per held-out problem for pass@k.")] = 256,
     problems: Annotated[int, typer.Option(help="Held-out problems, the same for every arm.")] = 500,
     jobs: Annotated[int, typer.Option(help="Training runs in parallel (one CPU thread each when > 1).")] = 2,
-    max_kl3: Annotated[float | None, typer.Option(help="δ of the atr arm \\[default: 0.1].")] = None,
-    eps: Annotated[float | None, typer.Option(help="ε of the grpo arm (ε_low of dapo) \\[default: 0.2].")] = None,
-    eps_high: Annotated[float | None, typer.Option(help="ε_high of the dapo arm \\[default: 0.28].")] = None,
+    max_kl3: Annotated[float | None, typer.Option(help=f"δ of the atr arm \\[default: {MAX_KL3}].")] = None,
+    eps: Annotated[
+        float | None, typer.Option(help=f"ε of every arm that has one (grpo's eps, dapo's eps_low) \\[default: {EPS}].")
+    ] = None,
+    eps_high: Annotated[float | None, typer.Option(help=f"ε_high of the arms that have one \\[default: {EPS_HIGH}].")] = None,
     name: Annotated[str | None, typer.Option(help="results/compare-<name>/ \\[default: the arms joined by -].")] = None,
     recipe: RecipeOption = None,
     set_: SetOption = None,
@@ -558,116 +425,43 @@ def compare(
 ) -> None:
     """Train and evaluate several algorithms side by side (e.g. `atrctl compare grpo atr`)."""
     import shlex
-    import time as clock
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from atrctl import compare as cmp
-    from atrctl.bases import ensure_base
-    from atrctl.compare_report import write_report
-    from atrctl.config import load_recipe, recipe_to_dict, to_toml
-    from atrctl.eval_report import write_eval
-    from atrctl.evaluate import default_ks
-    from atrctl.models import resolve_device
-    from atrctl.train import environment, validate_algo
+    from atrctl import display
+    from atrctl.compare import plan_comparison, run_comparison
+    from atrctl.config import load_recipe
 
     _quiet_libraries()
-    started = clock.perf_counter()
-    for value, flag in ((seeds, "--seeds"), (n, "--n"), (problems, "--problems"), (jobs, "--jobs")):
-        if value < 1:
-            raise UserError(f"{flag} must be at least 1 (got {value})")
-    arm_list = cmp.parse_arms(arms)
     config = load_recipe(recipe, ([f"run.steps={steps}"] if steps is not None else []) + list(set_ or []))
-    loss_args = {loss: args for loss, args in (
-        ("atr", {"max_kl3": max_kl3}), ("grpo", {"eps": eps}), ("dapo", {"eps_low": eps, "eps_high": eps_high}))}
-    loss_args = {loss: {k: v for k, v in args.items() if v is not None} for loss, args in loss_args.items()}
-    loss_args = {loss: args for loss, args in loss_args.items() if args}
-    for arm in arm_list:
-        if arm.loss is not None:
-            validate_algo(cmp.arm_recipe(config, arm, config.model.base, loss_args))
-    ks = default_ks(n)
-    comparison = cmp.Comparison(results / f"compare-{name or '-'.join(a.label for a in arm_list)}", arm_list,
-                                seeds, config, loss_args)
-    cmp.prepare(comparison, overwrite)
-
-    seconds: dict[str, float] = {}
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
-               TimeRemainingColumn())
-    with Progress(*columns, console=console) as progress:
-        bars: dict[str, int] = {}
-
-        def advance(key: str, description: str, done: int, total: int, note: str = "") -> None:
-            if key not in bars:
-                bars[key] = progress.add_task(description, total=total, note="")
-            progress.update(bars[key], completed=done, note=note)
-
-        phase = clock.perf_counter()
-        base, _ = ensure_base(config, results, lambda step, loss, acc: advance(
-            "warmup", "warm-up base", step, config.warmup.max_steps, f"loss {loss:.3f}"))
-        base = str(Path(base).resolve()) if isinstance(base, Path) else base
-        seconds["base (warm-up or cache)"] = clock.perf_counter() - phase
-
-        phase = clock.perf_counter()
-        job_list = cmp.training_jobs(arm_list, seeds, cmp.write_arm_recipes(comparison, base),
-                                     comparison.directory / "runs")
-        total_steps = len(job_list) * config.run.steps
-        reused = sum(job.finished for job in job_list)
-        try:
-            cmp.run_jobs(job_list, jobs, lambda done: advance(
-                "train", f"train {len(job_list)} runs", done, total_steps, f"{jobs} at a time"))
-        except KeyboardInterrupt:
-            stderr.print(f"interrupted: rerun the same command to resume the runs in {comparison.directory}")
-            raise typer.Exit(130) from None
-        seconds[f"training ({len(job_list)} runs, {jobs} at a time; {reused} reused from before)"] = \
-            clock.perf_counter() - phase
-
-        phase = clock.perf_counter()
-        evaluations = cmp.evaluate_arms(comparison, n, problems, lambda run, done, total: advance(
-            f"eval {run}", f"eval {run}", done, total, f"n = {n}"))
-        seconds["evaluation (wall)"] = clock.perf_counter() - phase
-
-    for label, directories in cmp.arm_runs(comparison).items():
-        for directory, result in zip(directories, evaluations[label], strict=True):
-            write_eval(result, ks, directory / "eval", f"{directory.name}: pass@k")
-    seconds["total"] = clock.perf_counter() - started
-    deltas = sorted({float(loss_args.get("atr", {}).get("max_kl3", 0.1))} if any(a.loss == "atr" for a in arm_list)
-                    else {0.1})
-    rows = write_report(
-        comparison.directory, cmp.arm_runs(comparison), evaluations, ks,
-        command=" ".join(shlex.quote(a) for a in _invocation),
-        recipe_toml=to_toml(recipe_to_dict(config)), environment=environment(resolve_device(config.model.device)),
-        deltas=deltas, eps=float(loss_args.get("grpo", {}).get("eps", 0.2)), seconds=seconds)
-    console.print(_compare_table(rows, ks))
+    comparison = plan_comparison(arms, seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=config,
+                                 max_kl3=max_kl3, eps=eps, eps_high=eps_high, name=name, overwrite=overwrite,
+                                 results=results)
+    command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj.argv])
+    try:
+        with display.phase_bars() as advance:
+            rows, ks = run_comparison(comparison, n=n, problems=problems, jobs=jobs, results=results,
+                                      command=command, advance=advance)
+    except KeyboardInterrupt:
+        stderr.print(f"interrupted: rerun the same command to resume the runs in {comparison.directory}")
+        raise typer.Exit(130) from None
+    console.print(display.compare_table(rows, ks))
     console.print(f"report: {comparison.directory / 'report.md'}")
-
-
-def _compare_table(rows: list[dict], ks: list[int]):
-    from rich.table import Table
-
-    metrics = [f"pass@{k}" for k in ks] + ["greedy"]
-    table = Table(title="pass@k, mean over seeds and problems [95% CI]; ★ = difference whose CI excludes 0")
-    table.add_column("arm")
-    table.add_column("seeds", justify="right")
-    for metric in metrics:
-        table.add_column(metric, justify="right")
-    for row in rows:
-        cells = [f"{row[m]:.3f} \\[{row[m + ' low']:.3f}, {row[m + ' high']:.3f}]"
-                 + (" ★" if row.get(f"{m} excludes_0") else "") for m in metrics]
-        table.add_row(row["row"], str(row["seeds"]), *cells)
-    return table
 
 
 # --------------------------------------------------------------------- entry
 
 
-_invocation: list[str] = ["atrctl"]  # the command line as typed, for reports
+class Invocation:
+    """The command line as typed (after `atrctl`), handed to the commands that record or relaunch it."""
+
+    def __init__(self, argv: list[str]):
+        self.argv = list(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; bad input becomes one line on stderr and exit code 2, never a traceback."""
-    _invocation[1:] = sys.argv[1:] if argv is None else argv
+    invocation = Invocation(sys.argv[1:] if argv is None else argv)
     try:
-        code = app(args=argv, prog_name="atrctl", standalone_mode=False)
+        code = app(args=argv, prog_name="atrctl", standalone_mode=False, obj=invocation)
     except UserError as error:
         stderr.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
         return 2

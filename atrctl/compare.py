@@ -6,6 +6,9 @@ base (passed to the runs as a model directory, so nothing is warmed up twice), s
 prompt order in every arm, and every final model is evaluated on the same held-out problems with the
 same n and sampling seed.  Runs are ordinary `atrctl train` runs in <compare>/runs/, launched as
 subprocesses (`--jobs` at a time), so an interrupted comparison resumes them where they stopped.
+
+`plan_comparison` checks everything and claims the directory; `run_comparison` does the work (base,
+training, evaluation, report) and reports progress through a callback, so the CLI only displays.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from atrctl import io
+from atrctl import atomic
 from atrctl.config import Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
 from atrctl.losses import POLICY_LOSSES
+from atrctl.rundir import RunDir
+
+# advance(key, description, done, total, note): one progress line per key, made on its first call
+Progress = Callable[[str, str, int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ def parse_arms(names: Sequence[str]) -> list[Arm]:
         path = Path(name)
         if name in POLICY_LOSSES:
             arms.append(Arm(label=name, loss=name))
-        elif (path / "model").is_dir() and (path / "config.toml").is_file():
+        elif RunDir(path).is_run and RunDir(path).finished:
             arms.append(Arm(label=path.name, run_dir=path))
         else:
             raise UserError(f"unknown arm '{name}': give a loss ({', '.join(POLICY_LOSSES)}) "
@@ -76,8 +83,7 @@ class Job:
 
     @property
     def finished(self) -> bool:
-        summary = self.directory / "summary.json"
-        return summary.is_file() and "final" in json.loads(summary.read_text())
+        return RunDir(self.directory).finished
 
 
 def training_jobs(arms: Sequence[Arm], seeds: int, recipes: dict[str, Path], runs: Path) -> list[Job]:
@@ -89,18 +95,13 @@ def training_jobs(arms: Sequence[Arm], seeds: int, recipes: dict[str, Path], run
                 continue
             directory = runs / f"{arm.label}-s{seed}"
             base = [sys.executable, "-m", "atrctl", "train"]
-            if (directory / "checkpoint").is_dir():
+            if RunDir(directory).checkpoint.is_dir():
                 command = [*base, "--resume", str(directory)]
             else:
                 command = [*base, "--recipe", str(recipes[arm.label]), "--seed", str(seed), "--name",
                            directory.name, "--results", str(runs), "--overwrite"]
             jobs.append(Job(arm, seed, directory, command, runs / f"{directory.name}.log"))
     return jobs
-
-
-def steps_done(job: Job) -> int:
-    metrics = job.directory / "metrics.jsonl"
-    return sum(1 for _ in metrics.open()) if metrics.is_file() else 0
 
 
 def run_jobs(jobs: Sequence[Job], parallel: int, on_progress: Callable[[int], None] | None = None) -> None:
@@ -126,7 +127,7 @@ def run_jobs(jobs: Sequence[Job], parallel: int, on_progress: Callable[[int], No
                     raise UserError(f"training {job.directory.name} failed ({tail[0].strip()}); "
                                     f"full log: {job.log}; rerun the same command to resume")
             if on_progress is not None:
-                on_progress(sum(steps_done(job) for job in jobs))
+                on_progress(sum(RunDir(job.directory).steps_logged() for job in jobs))
     finally:
         for job in running:  # Ctrl-C or a failed sibling: stop the others; their checkpoints resume them
             job.process.terminate()
@@ -169,7 +170,7 @@ def prepare(comparison: Comparison, overwrite: bool) -> None:
 
         shutil.rmtree(comparison.directory)
     comparison.directory.mkdir(parents=True, exist_ok=True)
-    io.write_text(marker, json.dumps(record, indent=2) + "\n")
+    atomic.write_text(marker, json.dumps(record, indent=2) + "\n")
 
 
 def _same_record(recorded: dict, current: dict) -> bool:
@@ -190,7 +191,7 @@ def write_arm_recipes(comparison: Comparison, base: str) -> dict[str, Path]:
             continue
         path = comparison.directory / "recipes" / f"{arm.label}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        io.write_text(path, to_toml(recipe_to_dict(arm_recipe(comparison.recipe, arm, base, comparison.loss_args))))
+        atomic.write_text(path, to_toml(recipe_to_dict(arm_recipe(comparison.recipe, arm, base, comparison.loss_args))))
         paths[arm.label] = path
     return paths
 
@@ -208,27 +209,115 @@ def arm_runs(comparison: Comparison) -> dict[str, list[Path]]:
 def evaluate_arms(comparison: Comparison, n: int, problems: int,
                   on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, list]:
     """Every final model on the same held-out problems, with the same n and sampling seed."""
-    from atrctl.config import recipe_of_run
-    from atrctl.evaluate import evaluate_model
-    from atrctl.models import load_model
+    from atrctl.evaluation import eval_target, evaluate_target
     from atrctl.tasks import get_task
 
     recipe = comparison.recipe
-    task = get_task(recipe.task.name, **recipe.task.args)
-    held_out = task.problems("test", problems, recipe.eval.seed)
+    held_out = get_task(recipe.task.name, **recipe.task.args).problems("test", problems, recipe.eval.seed)
     results: dict[str, list] = {}
     for label, directories in arm_runs(comparison).items():
         results[label] = []
         for directory in directories:
-            run_recipe = recipe_of_run(directory)
-            if (run_recipe.task.name, run_recipe.task.args) != (recipe.task.name, recipe.task.args):
-                raise UserError(f"{directory} was trained on task {run_recipe.task.name} {run_recipe.task.args}, "
+            spec = eval_target(str(directory))
+            if (spec.task, spec.task_args) != (recipe.task.name, recipe.task.args):
+                raise UserError(f"{directory} was trained on task {spec.task} {spec.task_args}, "
                                 f"not {recipe.task.name} {recipe.task.args}: compare runs of one task")
-            model, tokenizer = load_model(str(directory / "model"), recipe.model.device, recipe.model.dtype)
-            result = evaluate_model(
-                model, tokenizer, task, held_out, n=n, temperature=recipe.eval.temperature, seed=recipe.eval.seed,
-                max_new_tokens=run_recipe.rollout.max_new_tokens, chat_template=recipe.task.chat_template,
-                on_progress=None if on_progress is None else
-                (lambda done, total, name=directory.name: on_progress(name, done, total)))
-            results[label].append(result)
+            results[label].append(evaluate_target(
+                spec, held_out, n=n, temperature=recipe.eval.temperature, seed=recipe.eval.seed,
+                device=recipe.model.device, on_progress=None if on_progress is None else
+                (lambda done, total, name=directory.name: on_progress(name, done, total))))
     return results
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+def arm_loss_args(arms: Sequence[Arm], max_kl3: float | None, eps: float | None,
+                  eps_high: float | None) -> dict[str, dict]:
+    """The shared --max-kl3 / --eps / --eps-high flags as the parameters of each trained arm that takes them."""
+    from atrctl.losses import flag_parameters, loss_parameters
+
+    args = {}
+    for arm in arms:
+        if arm.loss is not None:
+            taken = loss_parameters(arm.loss)
+            mine = {k: v for k, v in flag_parameters(arm.loss, max_kl3, eps, eps_high).items() if k in taken}
+            if mine:
+                args[arm.loss] = mine
+    return args
+
+
+def plan_comparison(arm_names: Sequence[str], *, seeds: int, n: int, problems: int, jobs: int, recipe: Recipe,
+                    max_kl3: float | None, eps: float | None, eps_high: float | None, name: str | None,
+                    overwrite: bool, results: Path) -> Comparison:
+    """Check every input, then create (or reopen) the comparison directory: nothing is written before."""
+    from atrctl.train import validate_algo
+
+    for value, flag in ((seeds, "--seeds"), (n, "--n"), (problems, "--problems"), (jobs, "--jobs")):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1 (got {value})")
+    arms = parse_arms(arm_names)
+    loss_args = arm_loss_args(arms, max_kl3, eps, eps_high)
+    for arm in arms:
+        if arm.loss is not None:
+            validate_algo(arm_recipe(recipe, arm, recipe.model.base, loss_args))
+    comparison = Comparison(results / f"compare-{name or '-'.join(a.label for a in arms)}", arms, seeds, recipe,
+                            loss_args)
+    prepare(comparison, overwrite)
+    return comparison
+
+
+def run_comparison(comparison: Comparison, *, n: int, problems: int, jobs: int, results: Path, command: str,
+                   advance: Progress | None = None) -> tuple[list[dict], list[int]]:
+    """Warm up (or reuse) the base, train every (arm, seed), evaluate every final model and write the report.
+
+    Returns the table rows and the k's.  Every part resumes: finished runs are kept, interrupted ones
+    continue from their checkpoints, and rerunning the same plan redoes only what is missing.
+    """
+    from atrctl.base_cache import ensure_base
+    from atrctl.compare_report import write_report
+    from atrctl.config import recipe_to_dict, to_toml
+    from atrctl.eval_report import write_eval
+    from atrctl.losses import loss_parameters
+    from atrctl.models import resolve_device
+    from atrctl.passk import default_ks
+    from atrctl.rundir import environment
+
+    def show(key: str, description: str, done: int, total: int, note: str = "") -> None:
+        if advance is not None:
+            advance(key, description, done, total, note)
+
+    recipe, started, seconds = comparison.recipe, time.perf_counter(), {}
+    phase = time.perf_counter()
+    base, _ = ensure_base(recipe, results, lambda step, loss, acc: show(
+        "warmup", "warm-up base", step, recipe.warmup.max_steps, f"loss {loss:.3f}"))
+    base = str(Path(base).resolve()) if isinstance(base, Path) else base
+    seconds["base (warm-up or cache)"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    job_list = training_jobs(comparison.arms, comparison.seeds, write_arm_recipes(comparison, base),
+                             comparison.directory / "runs")
+    total_steps, reused = len(job_list) * recipe.run.steps, sum(job.finished for job in job_list)
+    run_jobs(job_list, jobs, lambda done: show("train", f"train {len(job_list)} runs", done, total_steps,
+                                               f"{jobs} at a time"))
+    seconds[f"training ({len(job_list)} runs, {jobs} at a time; {reused} reused from before)"] = \
+        time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    evaluations = evaluate_arms(comparison, n, problems, lambda run, done, total: show(
+        f"eval {run}", f"eval {run}", done, total, f"n = {n}"))
+    seconds["evaluation (wall)"] = time.perf_counter() - phase
+
+    ks = default_ks(n)
+    for label, directories in arm_runs(comparison).items():
+        for directory, result in zip(directories, evaluations[label], strict=True):
+            write_eval(result, ks, RunDir(directory).eval, f"{directory.name}: pass@k")
+    seconds["total"] = time.perf_counter() - started
+    atr_default, grpo_default = loss_parameters("atr")["max_kl3"], loss_parameters("grpo")["eps"]
+    trains_atr = any(arm.loss == "atr" for arm in comparison.arms)
+    deltas = [float(comparison.loss_args.get("atr", {}).get("max_kl3", atr_default)) if trains_atr else atr_default]
+    rows = write_report(
+        comparison.directory, arm_runs(comparison), evaluations, ks, command=command,
+        recipe_toml=to_toml(recipe_to_dict(recipe)), environment=environment(resolve_device(recipe.model.device)),
+        deltas=deltas, eps=float(comparison.loss_args.get("grpo", {}).get("eps", grpo_default)), seconds=seconds)
+    return rows, ks

@@ -9,11 +9,13 @@ says so.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from atrctl import atomic
+from atrctl.rundir import RunDir
 
 SMOOTHING = 10
 LEVEL = 0.95
@@ -86,10 +88,6 @@ def table_markdown(rows: Sequence[dict], metrics: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def read_metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
-
-
 def training_figure(runs: dict[str, list[Path]]):
     """Training curves of every arm: mean over seeds, band from the lowest to the highest seed."""
     from matplotlib.figure import Figure
@@ -98,7 +96,7 @@ def training_figure(runs: dict[str, list[Path]]):
     axes = fig.subplots(1, len(TRAINING_PANELS))
     for (key, title), ax in zip(TRAINING_PANELS, axes, strict=True):
         for label, directories in runs.items():
-            records = [read_metrics(d) for d in directories]
+            records = [RunDir(d).read_metrics() for d in directories]
             length = min(len(r) for r in records)
             if length == 0:
                 continue
@@ -119,9 +117,7 @@ def training_figure(runs: dict[str, list[Path]]):
 
 
 def save_figure(figure, path: Path) -> None:
-    from atrctl import io
-
-    with io.atomic_path(path) as tmp:
+    with atomic.atomic_path(path) as tmp:
         figure.savefig(tmp, format="png", dpi=120)
 
 
@@ -131,15 +127,14 @@ def write_report(directory: Path, runs: dict[str, list[Path]], results: dict[str
     """passk.csv / passk.md / passk.png / training.png / bounds.png / report.md in `directory`; returns the rows."""
     import pandas as pd
 
-    from atrctl import io
     from atrctl.bounds_plot import bounds_figure
     from atrctl.eval_report import plot_passk_curves
 
     rows = comparison_table(results, ks)
     metrics = [f"pass@{k}" for k in ks] + ["greedy"]
-    io.write_text(directory / "passk.csv", pd.DataFrame(rows).to_csv(index=False))
+    atomic.write_text(directory / "passk.csv", pd.DataFrame(rows).to_csv(index=False))
     table = table_markdown(rows, metrics)
-    io.write_text(directory / "passk.md", table)
+    atomic.write_text(directory / "passk.md", table)
     arm_rows = rows[: len(results)]
     curves = [(row["row"], list(ks), [row[f"pass@{k}"] for k in ks], [row[f"pass@{k} low"] for k in ks],
                [row[f"pass@{k} high"] for k in ks]) for row in arm_rows]
@@ -194,5 +189,5 @@ def write_report(directory: Path, runs: dict[str, list[Path]], results: dict[str
 
 {versions}
 """
-    io.write_text(directory / "report.md", report)
+    atomic.write_text(directory / "report.md", report)
     return rows

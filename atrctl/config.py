@@ -32,7 +32,7 @@ class TaskConfig:
     """What the policy is trained and evaluated on."""
 
     name: str = "arith"
-    """Registered task: arith, countdown, gsm8k, math."""
+    """Registered task (`atrctl ls` lists them with their parameters)."""
     args: dict[str, Any] = field(default_factory=dict)
     """Task parameters beyond the task's defaults, e.g. {digits = 2} for arith or {path = "gsm8k.jsonl"} for gsm8k."""
     chat_template: bool = False
@@ -46,7 +46,7 @@ class ModelConfig:
     base: str = "tiny"
     """A preset (tiny, small, medium: built from config and warmed up), a local HF model directory or a hub name."""
     arch: str = "llama"
-    """Architecture of a preset: llama or qwen2."""
+    """Architecture of a preset (models.ARCHS): llama or qwen2."""
     device: str = "auto"
     """auto, cpu or cuda."""
     dtype: str = "auto"
@@ -94,20 +94,22 @@ class RolloutConfig:
     sample_batch: int = 0
     """Most completions per sampling call, in whole groups (0 = all of a process's share at once): caps KV-cache
     memory.  Each call's generator is seeded from (seed, step, first prompt), so the value changes the samples."""
+    backend: str = "hf"
+    """Rollout backend that generates the completions (`atrctl ls`): "hf" is atrctl's KV-cache sampler."""
 
 
 @dataclass
 class AlgoConfig:
-    """The policy loss and how it is applied (DESIGN.md §1-2)."""
+    """The policy loss and how it is applied (docs/design.md §1-2)."""
 
     loss: str = "atr"
-    """Registered loss: grpo, dapo, atr, k2, reverse-kl3, divergence, tv-band, kl-band, gspo, cispo."""
+    """Registered policy loss (`atrctl ls` lists them with their parameters)."""
     args: dict[str, Any] = field(default_factory=dict)
-    """The loss's parameters beyond its defaults: max_kl3 (atr), eps (grpo), eps_low/eps_high (dapo), delta, ..."""
+    """The loss's parameters beyond its defaults, e.g. {max_kl3 = 0.05} for atr or {eps = 0.1} for grpo."""
     advantage: str = "grpo"
-    """Advantage estimator: grpo (mean/std), drgrpo (mean only), rloo (leave-one-out)."""
+    """Registered advantage estimator, e.g. grpo (mean/std), drgrpo (mean only), rloo (leave-one-out)."""
     agg: str = "token-mean"
-    """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)."""
+    """Registered loss aggregation, e.g. token-mean (DAPO), seq-mean-token-mean (GRPO)."""
     num_iterations: int = 1
     """Passes (μ) over each rollout batch; with μ = 1 and one mini-batch the ratio is 1 throughout."""
     minibatches: int = 4
@@ -116,16 +118,17 @@ class AlgoConfig:
     old_logprobs: str = "auto"
     """Where the sampling policy's logprobs (the ratio's denominator) come from: "sampler" keeps the ones the
     rollout computed token by token (no extra forward pass); "recompute" runs a full no-grad forward pass
-    with the update's numerics; "auto" = sampler in float32, recompute under bf16 autocast, where the
-    KV-cache decode and the full pass differ by more than float noise.  Only read when the update is
-    off-policy (several mini-batches or μ > 1)."""
+    with the update's numerics; "auto" = the sampler's when the rollout backend says they match the training
+    forward pass (the hf sampler in float32), else recompute (bf16 autocast, where the KV-cache decode and
+    the full pass differ by more than float noise).  Only read when the update is off-policy (several
+    mini-batches or μ > 1)."""
     micro_batch: int = 0
     """Most completions per forward/backward (0 = a whole mini-batch): gradients accumulate over micro-batches,
     weighted so that the optimiser step is the same as without them, for every aggregation."""
     beta: float = 0.0
     """KL-to-reference coefficient; 0 loads no reference model."""
     kl_estimator: str = "k3"
-    """Estimator of KL(π_θ‖π_ref) for beta > 0: k1, k2 or k3."""
+    """Schulman's estimator of KL(π_θ‖π_ref) for beta > 0: k1, k2 or k3."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (0 = off; entropy is logged either way)."""
 
@@ -194,15 +197,24 @@ class Recipe:
 
 # --------------------------------------------------------------- validation
 
+def _registry(module: str, name: str):
+    """A registry read when a recipe is checked (not copied at import), so a newly registered entry is valid
+    at once; imported lazily because the loss and rollout registries bring torch."""
+    import importlib
+
+    return lambda: getattr(importlib.import_module(module), name)
+
+
 _CHOICES = {
-    ("model", "arch"): ("llama", "qwen2"),
-    ("model", "device"): ("auto", "cpu", "cuda"),
-    ("model", "dtype"): ("auto", "float32", "bfloat16"),
-    ("algo", "advantage"): ("grpo", "drgrpo", "rloo"),
-    ("algo", "agg"): ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    ("algo", "kl_estimator"): ("k1", "k2", "k3"),
-    ("algo", "old_logprobs"): ("auto", "sampler", "recompute"),
-    ("optim", "schedule"): ("constant", "cosine"),
+    ("model", "arch"): _registry("atrctl.models", "ARCHS"),
+    ("model", "device"): lambda: ("auto", "cpu", "cuda"),
+    ("model", "dtype"): _registry("atrctl.models", "DTYPES"),
+    ("rollout", "backend"): _registry("atrctl.rollout", "ROLLOUT_BACKENDS"),
+    ("algo", "advantage"): _registry("atrctl.advantages", "ADVANTAGE_ESTIMATORS"),
+    ("algo", "agg"): _registry("atrctl.losses", "AGGREGATIONS"),
+    ("algo", "kl_estimator"): _registry("atrctl.losses", "KL_ESTIMATORS"),
+    ("algo", "old_logprobs"): lambda: ("auto", "sampler", "recompute"),
+    ("optim", "schedule"): lambda: ("constant", "cosine"),
 }
 _POSITIVE = {
     ("warmup", "max_steps"), ("warmup", "batch_size"), ("warmup", "lr"), ("warmup", "eval_every"),
@@ -247,8 +259,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
 
 def _check_value(section: str, key: str, value: Any) -> None:
     where = f"{section}.{key}"
-    if (section, key) in _CHOICES and value not in _CHOICES[section, key]:
-        raise UserError(f"{where} = {value!r} is not one of {', '.join(_CHOICES[section, key])}")
+    if (section, key) in _CHOICES and value not in (choices := _CHOICES[section, key]()):
+        raise UserError(f"{where} = {value!r} is not one of {', '.join(choices)}")
     if (section, key) in _POSITIVE and not (value > 0 and math.isfinite(value)):
         raise UserError(f"{where} must be > 0, got {value}")
     if (section, key) in _NON_NEGATIVE and not (value >= 0 and math.isfinite(value)):
@@ -336,16 +348,6 @@ def _merge(base: dict[str, Any], keys: list[str], value: Any) -> None:
         if not isinstance(node, dict):
             raise UserError(f"--set {'.'.join(keys)}: '{key}' is a value, not a table")
     node[keys[-1]] = value
-
-
-def recipe_of_run(directory: str | Path) -> Recipe:
-    """The recipe a run recorded in its config.toml (its [environment] table is provenance, not settings)."""
-    saved = Path(directory) / "config.toml"
-    if not saved.is_file():
-        raise UserError(f"{directory} has no config.toml: give a run directory such as results/<run>")
-    data = tomllib.loads(saved.read_text(encoding="utf-8"))
-    data.pop("environment", None)
-    return recipe_from_dict(data)
 
 
 def load_recipe(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Recipe:

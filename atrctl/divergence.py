@@ -6,18 +6,18 @@ an interval [low, high] around 1.  Clipping w to that interval is all a PPO-styl
 loss needs, so a new divergence costs one function here and nothing at train time.
 
 Pure functions only: no I/O, no configuration objects.  The measures accept
-floats, numpy arrays and torch tensors alike (torch is never imported here, so
-`atrctl plot-bounds` starts quickly).
+floats, numpy arrays and torch tensors alike.  torch is never imported here and
+scipy only when a bound is solved, so the CLI can read the registry's defaults
+for its help text at no cost.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 
 import numpy as np
-from scipy.optimize import brentq
-from scipy.special import lambertw
 
 # ---------------------------------------------------------------- measures of w
 
@@ -32,32 +32,37 @@ def ratio_deviation(w):
     return abs(w - 1)
 
 
-def k1(w):
-    """-ln w: the naive KL estimator; unbiased but signed, so it bounds only one side."""
+def kl1(w):
+    """-ln w: Schulman's k1 estimator of KL(pi_old || pi_theta); unbiased but signed, so it bounds one side only."""
     return -_log(w)
 
 
-def k2(w):
-    """1/2 ln^2 w: the squared log-ratio, symmetric in log space."""
+def kl2(w):
+    """1/2 ln^2 w: Schulman's k2, the squared log-ratio, symmetric in log space."""
     return 0.5 * _log(w) ** 2
 
 
-def k3(w):
+def kl3(w):
     """w - 1 - ln w: Schulman's k3; its mean under pi_old is KL(pi_old || pi_theta), and it is >= 0."""
     return w - 1 - _log(w)
 
 
-def reverse_k3(w):
+def kl3_of_log_ratio(x):
+    """kl3 at w = e^x, as expm1(x) - x: no cancellation near w = 1 (tensors only; the losses' form)."""
+    return x.expm1() - x
+
+
+def reverse_kl3(w):
     """w ln w - w + 1: the k3-style estimator of the reverse direction, KL(pi_theta || pi_old)."""
     return w * _log(w) - w + 1
 
 
 MEASURES: dict[str, Callable] = {
     "ratio": ratio_deviation,
-    "k1": k1,
-    "k2": k2,
-    "k3": k3,
-    "reverse-k3": reverse_k3,
+    "kl1": kl1,
+    "kl2": kl2,
+    "kl3": kl3,
+    "reverse-kl3": reverse_kl3,
 }
 
 
@@ -89,6 +94,8 @@ def kl3_bounds(delta: float) -> tuple[float, float]:
     digits, so each root is polished with Newton steps on x = ln w (well
     conditioned on both sides) until w - 1 - ln w = delta to rounding.
     """
+    from scipy.special import lambertw
+
     delta = _check_level(delta, "max_kl3")
     if delta > MAX_KL3:
         raise ValueError(f"max_kl3 must be <= {MAX_KL3:g} (its lower bound underflows), got {delta}")
@@ -112,7 +119,7 @@ def _polish_k3_root(w: float, delta: float) -> float:
     return math.exp(x)
 
 
-def k2_bounds(delta: float) -> tuple[float, float]:
+def kl2_bounds(delta: float) -> tuple[float, float]:
     """{w : 1/2 ln^2 w <= delta} = [e^-sqrt(2 delta), e^sqrt(2 delta)]: symmetric in log space."""
     radius = math.sqrt(2.0 * _check_level(delta))
     return math.exp(-radius), math.exp(radius)
@@ -126,8 +133,10 @@ def bounds_for(divergence: Callable | str, delta: float) -> tuple[float, float]:
 
     The search runs in x = ln w so that ratios from 1e-304 to 1e304 are reachable.
     A side on which D never reaches delta is unbounded: low = 0 or high = inf
-    (reverse k3 tends to 1 as w -> 0, so for delta >= 1 it does not bound w from below).
+    (reverse kl3 tends to 1 as w -> 0, so for delta >= 1 it does not bound w from below).
     """
+    from scipy.optimize import brentq
+
     measure = MEASURES[divergence] if isinstance(divergence, str) else divergence
     delta = _check_level(delta)
 
@@ -165,27 +174,33 @@ def _check_eps_high(eps: float, name: str) -> float:
 
 
 def _grpo(eps: float = 0.2) -> tuple[float, float]:
+    """|w - 1| <= eps: PPO's symmetric clip as GRPO uses it (Shao et al., 2024)."""
     eps = _check_eps(eps, "eps")
     return 1.0 - eps, 1.0 + eps
 
 
 def _dapo(eps_low: float = 0.2, eps_high: float = 0.28) -> tuple[float, float]:
+    """-eps_low <= w - 1 <= eps_high: clip-higher (Yu et al., 2025, DAPO)."""
     return 1.0 - _check_eps(eps_low, "eps_low"), 1.0 + _check_eps_high(eps_high, "eps_high")
 
 
 def _atr(max_kl3: float = 0.1) -> tuple[float, float]:
+    """w - 1 - ln w <= max_kl3: the KL3 region of ATR-GRPO, in closed form by Lambert W."""
     return kl3_bounds(max_kl3)
 
 
-def _k2(delta: float = 0.1) -> tuple[float, float]:
-    return k2_bounds(delta)
+def _kl2(delta: float = 0.1) -> tuple[float, float]:
+    """1/2 ln^2 w <= delta: symmetric in log space."""
+    return kl2_bounds(delta)
 
 
 def _reverse_kl3(delta: float = 0.1) -> tuple[float, float]:
-    return bounds_for(reverse_k3, delta)
+    """w ln w - w + 1 <= delta: the reverse-direction KL3 (unbounded below for delta >= 1)."""
+    return bounds_for(reverse_kl3, delta)
 
 
-def _divergence(measure: str = "k3", delta: float = 0.1) -> tuple[float, float]:
+def _divergence(measure: str = "kl3", delta: float = 0.1) -> tuple[float, float]:
+    """D(w) <= delta for any measure of MEASURES, by root finding."""
     if measure not in MEASURES:
         raise ValueError(f"unknown measure {measure!r}; choose one of {', '.join(MEASURES)}")
     return bounds_for(MEASURES[measure], delta)
@@ -195,10 +210,15 @@ TRUST_REGIONS: dict[str, Callable[..., tuple[float, float]]] = {
     "grpo": _grpo,
     "dapo": _dapo,
     "atr": _atr,
-    "k2": _k2,
+    "kl2": _kl2,
     "reverse-kl3": _reverse_kl3,
     "divergence": _divergence,
 }
+
+
+def region_defaults(name: str) -> dict[str, object]:
+    """The parameters of a named trust region and their defaults, e.g. {"max_kl3": 0.1} for atr."""
+    return {p.name: p.default for p in inspect.signature(TRUST_REGIONS[name]).parameters.values()}
 
 
 def trust_region(name: str, **params) -> tuple[float, float]:

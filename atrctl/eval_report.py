@@ -1,4 +1,4 @@
-"""The files of one evaluation: passk.csv, passk.md and passk.png (DESIGN.md §5, results/<run>/eval/)."""
+"""The files of one evaluation: passk.csv, passk.md and passk.png (docs/design.md §5, <run>/eval/)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and no global pyplot state
 
-from atrctl import io
-from atrctl.evaluate import EvalResult, avg_at_n
+from atrctl import atomic
+from atrctl.passk import EvalResult, avg_at_n
 
 COLUMNS = ("k", "pass@k", "ci_low", "ci_high", "maj@k")
 Curve = tuple[str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]  # label, ks, mean, low, high
@@ -66,13 +66,13 @@ def write_eval(result: EvalResult, ks: Sequence[int], directory: Path, title: st
     directory.mkdir(parents=True, exist_ok=True)
     frame = passk_frame(result, ks)
     csv_path, md_path, png_path = (directory / f"passk.{ext}" for ext in ("csv", "md", "png"))
-    io.write_text(md_path, passk_markdown(result, frame, title))
+    atomic.write_text(md_path, passk_markdown(result, frame, title))
     label = f"pass@k (n={result.n}, T={result.temperature:g}), 95% CI"
     figure = plot_passk_curves([(label, ks, frame["pass@k"], frame["ci_low"], frame["ci_high"])], title)
     greedy = float(np.mean(result.greedy))
     figure.axes[0].axhline(greedy, color="0.4", ls="--", lw=1, label=f"greedy accuracy {greedy:.3f}")
     figure.axes[0].legend(loc="lower right", fontsize=8)
-    with io.atomic_path(png_path) as tmp:
+    with atomic.atomic_path(png_path) as tmp:
         figure.savefig(tmp, format="png", dpi=130)
-    io.write_text(csv_path, frame.to_csv(index=False, float_format="%.6f"))  # last: it marks a finished evaluation
+    atomic.write_text(csv_path, frame.to_csv(index=False, float_format="%.6f"))  # last: it marks a finished evaluation
     return [csv_path, md_path, png_path]

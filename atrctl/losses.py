@@ -1,7 +1,7 @@
 """Policy losses: the PPO clipped surrogate over any trust region, plus its baselines.
 
 Every ratio-clip method here is one surrogate with a per-token interval [l_t, u_t]
-(DESIGN.md §1):
+(docs/design.md §1):
 
     L_t = -min(w_t·A, clip(w_t, l_t, u_t)·A),    w_t = exp(logp_t - old_logp_t)
 
@@ -13,7 +13,9 @@ band from `atrctl.bands`.  GSPO and CISPO are the comparison baselines.
     loss, metrics = policy_loss(logp, old_logp, advantages, mask, algo="atr", max_kl3=0.1)
 
 Pure functions of tensors; `metrics` is a dict of plain floats with the names of
-DESIGN.md §2, computed without gradient over the masked tokens only.
+docs/design.md §3, computed without gradient over the masked tokens only.  A metric's name
+declares how the values of several batches combine (`metric_reduction`): `.../min` and `.../max`
+are extremes, everything else is a mean.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 
 from atrctl.bands import kl_band_bounds, tv_band_bounds
-from atrctl.divergence import TRUST_REGIONS, trust_region
+from atrctl.divergence import TRUST_REGIONS, kl3_of_log_ratio, trust_region
 
 # |logp - old_logp| is clamped to this before exp, so w stays within [e^-20, e^20] ~ [2e-9, 5e8]
 # and cannot overflow float32.  A token beyond it is far outside every trust region; it keeps
@@ -160,7 +162,8 @@ def _cispo(tokens: Tokens, *, eps_low: float = 1.0, eps_high: float = 0.28):
     """CISPO (MiniMax-M1, 2025): -sg(clip(w, 1-ε_low, 1+ε_high))·A·logp.
 
     No token loses its gradient; the clip only caps its weight.  The default ε_low = 1
-    (l = 0) follows the paper, which set no lower bound.
+    (l = 0) follows the paper, which set no lower bound.  Its value is a weighted log-likelihood,
+    not the surrogate's, so it declares `objective` (see `loss_objective`).
     """
     eps_low, eps_high = _check_positive(eps_low, "eps_low"), _check_positive(eps_high, "eps_high")
     low, high = max(0.0, 1.0 - eps_low), 1.0 + eps_high
@@ -168,6 +171,9 @@ def _cispo(tokens: Tokens, *, eps_low: float = 1.0, eps_high: float = 0.28):
     return -weight * tokens.advantages * tokens.logp, clip_fractions(
         tokens.ratio, tokens.advantages, low, high, tokens.mask
     )
+
+
+_cispo.objective = "weighted-logp"  # -sg(w)·A·logp: at w = 1 its value is -A·logp, not -A
 
 
 # name -> loss(tokens, **params) -> (per-token loss [B, T], clip metrics).  Every constant
@@ -179,6 +185,47 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "gspo": _gspo,
     "cispo": _cispo,
 }
+
+
+def loss_parameters(name: str) -> dict[str, object]:
+    """The keyword parameters of the loss `name` and their defaults (None where there is none): what
+    `algo.args` may set.  A constant trust region's come from its `atrctl.divergence` function."""
+    loss = POLICY_LOSSES[name]
+    sources = [loss]
+    if isinstance(loss, functools.partial) and loss.func is _trust_region_loss:
+        sources = [TRUST_REGIONS[loss.args[0]], _trust_region_loss]
+    params = {}
+    for source in sources:
+        for parameter in inspect.signature(source).parameters.values():
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY or (
+                    parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+                    and parameter.default is not inspect.Parameter.empty):
+                params[parameter.name] = None if parameter.default is inspect.Parameter.empty else parameter.default
+    return params
+
+
+def flag_parameters(name: str, max_kl3: float | None = None, eps: float | None = None,
+                    eps_high: float | None = None) -> dict[str, float]:
+    """The CLI's shared flags as parameters of the loss `name`: --max-kl3 is max_kl3 and --eps-high eps_high;
+    --eps is the loss's eps, or its eps_low where it has a lower ε and no symmetric one (dapo, gspo, cispo).
+    Flags left out (None) are not set."""
+    taken = loss_parameters(name)
+    eps_name = "eps_low" if "eps_low" in taken and "eps" not in taken else "eps"
+    return {key: value for key, value in (("max_kl3", max_kl3), (eps_name, eps), ("eps_high", eps_high))
+            if value is not None}
+
+
+def loss_objective(name: str) -> str:
+    """What a loss's value is: "surrogate" (-min(w·A, clip(w)·A), so -A at w = 1) unless the loss function
+    says otherwise in its `objective` attribute.  Every loss's gradient at w = 1 is -A·∇logp either way."""
+    return getattr(POLICY_LOSSES[name], "objective", "surrogate")
+
+
+def metric_reduction(name: str) -> str:
+    """How values of the metric `name` from several micro-batches, ranks or optimiser steps combine: its
+    name declares it, so a new loss's extreme needs no edit elsewhere.  "min" for .../min, "max" for
+    .../max, else "mean"."""
+    return "min" if name.endswith("/min") else "max" if name.endswith("/max") else "mean"
 
 
 def _check_positive(value: float, name: str) -> float:
@@ -199,50 +246,83 @@ def _check_dual_clip(dual_clip: float | None) -> float | None:
 
 # ---------------------------------------------------------------- aggregation
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+def _token_mean(values: Tensor, mask: Tensor, max_new_tokens: int | None) -> Tensor:
+    """sum / number of tokens (DAPO): every token weighs the same."""
+    return values.sum() / mask.sum().clamp(min=1)
+
+
+def _seq_mean_token_mean(values: Tensor, mask: Tensor, max_new_tokens: int | None) -> Tensor:
+    """Mean over sequences of each sequence's token mean (GRPO)."""
+    lengths = mask.sum(dim=1)
+    return (values.sum(dim=1) / lengths.clamp(min=1)).sum() / _sequences(mask).clamp(min=1)
+
+
+def _seq_mean_token_sum_norm(values: Tensor, mask: Tensor, max_new_tokens: int | None) -> Tensor:
+    """sum / (sequences × max_new_tokens) (Dr. GRPO): a constant normaliser, so no length bias."""
+    if max_new_tokens is None or int(max_new_tokens) < 1:
+        raise ValueError(f"agg 'seq-mean-token-sum-norm' needs max_new_tokens >= 1, got {max_new_tokens}")
+    return values.sum() / (_sequences(mask).clamp(min=1) * int(max_new_tokens))
+
+
+def _tokens(mask: Tensor) -> Tensor:
+    return mask.sum()
+
+
+def _sequences(mask: Tensor) -> Tensor:
+    """Rows with at least one token: an empty row is not a sequence."""
+    return (mask.sum(dim=1) > 0).sum()
+
+
+class Aggregation(NamedTuple):
+    """A reduction of per-token values [B, T] (masked, padding already 0) to the batch loss, and what it
+    divides by up to constants (its tokens or its sequences), so micro-batches can be weighted exactly."""
+
+    reduce: Callable[[Tensor, Tensor, int | None], Tensor]
+    normaliser: Callable[[Tensor], Tensor]
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "token-mean": Aggregation(_token_mean, _tokens),
+    "seq-mean-token-mean": Aggregation(_seq_mean_token_mean, _sequences),
+    "seq-mean-token-sum-norm": Aggregation(_seq_mean_token_sum_norm, _sequences),
+}
 
 
 def aggregate(values: Tensor, mask: Tensor, agg: str = "token-mean", max_new_tokens: int | None = None) -> Tensor:
-    """Reduce per-token values [B, T] to a scalar over the masked tokens.
+    """Reduce per-token values [B, T] to a scalar over the masked tokens with the aggregation `agg`.
 
-    token-mean: sum / number of tokens (DAPO), so every token weighs the same;
-    seq-mean-token-mean: mean over sequences of each sequence's token mean (GRPO);
-    seq-mean-token-sum-norm: sum / (sequences × max_new_tokens) (Dr. GRPO), a constant
-    normaliser, so no length bias.  Rows without tokens are not sequences: they change
-    nothing, and an empty batch gives 0 (with a valid gradient).
+    Rows without tokens are not sequences: they change nothing, and an empty batch gives 0
+    (with a valid gradient).
     """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown agg {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
     mask = mask.bool()
-    values = torch.where(mask, values, 0.0)
-    if agg == "token-mean":
-        return values.sum() / mask.sum().clamp(min=1)
-    lengths = mask.sum(dim=1)
-    sequences = (lengths > 0).sum().clamp(min=1)
-    if agg == "seq-mean-token-mean":
-        return (values.sum(dim=1) / lengths.clamp(min=1)).sum() / sequences
-    if agg == "seq-mean-token-sum-norm":
-        if max_new_tokens is None or int(max_new_tokens) < 1:
-            raise ValueError(f"agg {agg!r} needs max_new_tokens >= 1, got {max_new_tokens}")
-        return values.sum() / (sequences * int(max_new_tokens))
-    raise ValueError(f"unknown agg {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
+    return AGGREGATIONS[agg].reduce(torch.where(mask, values, 0.0), mask, max_new_tokens)
+
+
+def aggregation_normaliser(mask: Tensor, agg: str) -> Tensor:
+    """What `aggregate` divides a batch's loss by, up to constants.  A micro-batch's loss times its own
+    normaliser over the whole mini-batch's is its exact share of the mini-batch loss."""
+    return AGGREGATIONS[agg].normaliser(mask.bool())
 
 
 # ------------------------------------------------------------ KL to reference
 
 
 def _kl_k1(log_ref_ratio: Tensor) -> Tensor:
+    """-r: unbiased, signed."""
     return -log_ref_ratio
 
 
 def _kl_k2(log_ref_ratio: Tensor) -> Tensor:
+    """r²/2: biased, low variance."""
     return 0.5 * log_ref_ratio**2
 
 
-def _kl_k3(log_ref_ratio: Tensor) -> Tensor:
-    return torch.expm1(log_ref_ratio) - log_ref_ratio
-
-
-# Estimators of KL(pi_theta || pi_ref) from r = ln(pi_ref / pi_theta) at sampled tokens (Schulman, 2020).
-KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+# Estimators of KL(pi_theta || pi_ref) from r = ln(pi_ref / pi_theta) at sampled tokens (Schulman, 2020);
+# k3 is the trust regions' kl3 of the ratio pi_ref / pi_theta.
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": kl3_of_log_ratio}
 
 
 # ---------------------------------------------------------------- the entry point
@@ -353,7 +433,7 @@ def _metrics(tokens: Tokens, loss: Tensor, clip_metrics: dict[str, Tensor], extr
     """
     mask, log_ratio, ratio = tokens.mask, tokens.log_ratio, tokens.ratio
     count = mask.sum().clamp(min=1)
-    kl3 = torch.expm1(log_ratio) - log_ratio  # w - 1 - ln w without the cancellation near w = 1
+    kl3 = kl3_of_log_ratio(log_ratio)
     any_token = mask.any()
     values = {
         "loss": loss.detach(),

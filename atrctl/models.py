@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import string
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -141,17 +142,47 @@ def resolve_device(name: str) -> torch.device:
     raise UserError(f"unknown device '{name}': use auto, cpu or cuda")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on a CUDA device that supports it, float32 otherwise (CPU bf16 is slow here)."""
+@dataclass(frozen=True)
+class Numerics:
+    """How a device computes: the one place that decides bf16 versus float32.
+
+    `dtype` is that of frozen copies (reference model, evaluation); the trained policy keeps float32
+    master weights and runs its forward passes under `autocast()`, which is bf16 exactly when `dtype` is.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def autocast_enabled(self) -> bool:
+        import torch
+
+        return self.dtype == torch.bfloat16
+
+    def autocast(self):
+        import torch
+
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_enabled)
+
+
+def numerics(device: torch.device) -> Numerics:
+    """bfloat16 on a CUDA device that supports it, float32 otherwise (CPU bf16 is not used yet)."""
     import torch
 
-    if name == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if name not in dtypes:
-        raise UserError(f"unknown dtype '{name}': use auto, float32 or bfloat16")
-    return dtypes[name]
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return Numerics(device, torch.bfloat16 if bf16 else torch.float32)
+
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is the device's `numerics` dtype; float32 and bfloat16 are taken as asked."""
+    import torch
+
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype '{name}': use {', '.join(DTYPES)}")
+    return numerics(device).dtype if name == "auto" else getattr(torch, name)
 
 
 def format_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> str:

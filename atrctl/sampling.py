@@ -1,57 +1,52 @@
-"""Batched autoregressive sampling with a KV cache: the rollout engine for GRPO.
+"""atrctl's own batched sampler with a KV cache: the "hf" rollout backend.
 
-Conventions the trainer relies on:
-- Prompts are left-padded; position ids count real tokens only (cumsum of the mask - 1), so a padded
-  row gives the same logits as the prompt alone.
-- A completion includes its EOS (masked in); everything after it is `pad_id` and masked out.
-- `logprobs` are log_softmax(logits.float() / temperature) at the sampled token (temperature 1 when
-  greedy): the same numbers `completion_logprobs` computes in a full forward pass, so the ratio w of
-  the first update on a fresh rollout is exactly 1 (up to float noise). top_p truncation is not part
-  of them, as in TRL.
+It runs the policy module itself (a transformers causal LM), so it needs no weight transfer and, in
+float32, its logprobs are the training forward pass's to ~1e-6 (tested).  The batch it returns
+follows `atrctl.rollout`'s layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from atrctl.errors import UserError
+from atrctl.rollout import Rollout, left_pad, position_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-
-@dataclass
-class Rollout:
-    """A batch of prompts with one sampled completion each; all tensors on the model's device."""
-
-    prompt_ids: torch.Tensor  # [B, P] long, left-padded
-    prompt_mask: torch.Tensor  # [B, P] long, 1 for real prompt tokens
-    completion_ids: torch.Tensor  # [B, T] long, pad_id after EOS
-    completion_mask: torch.Tensor  # [B, T] long, 1 up to and including EOS
-    logprobs: torch.Tensor  # [B, T] float32, 0 where completion_mask is 0
+    from atrctl.models import Numerics
 
 
-def left_pad(
-    sequences: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) of shape [B, longest], real tokens flush right."""
-    if not sequences or any(len(s) == 0 for s in sequences):
-        raise UserError("every prompt needs at least one token: check the task's prompts and tokenizer")
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-        mask[row, width - len(seq) :] = 1
-    return ids.to(device), mask.to(device)
+class HFSampler:
+    """The "hf" backend (`atrctl.rollout.RolloutBackend`): `sample` on the policy module, under its numerics."""
 
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: Numerics):
+        self.model, self.numerics = model, numerics
+        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-def position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip padding, so left padding does not shift the rotary phases."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
+    @property
+    def logprobs_match_training(self) -> bool:
+        """In float32 the KV-cache decode equals a full pass to ~1e-6; under bf16 autocast it differs by more."""
+        return not self.numerics.autocast_enabled
+
+    def load_weights(self, model: PreTrainedModel) -> None:
+        self.model = model  # the policy module itself: its new weights are already in place
+
+    def generate(self, prompt_ids: list[list[int]], *, repeats: int = 1, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 generator: torch.Generator | None = None) -> Rollout:
+        was_training = self.model.training
+        self.model.eval()  # the KV cache is off in training mode under gradient checkpointing
+        try:
+            with self.numerics.autocast():
+                return sample(self.model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, greedy=greedy, eos_id=self.eos_id, pad_id=self.pad_id,
+                              generator=generator, repeats=repeats)
+        finally:
+            self.model.train(was_training)
 
 
 def _next_token(
@@ -198,82 +193,3 @@ def sample(
     completion_mask = (is_eos.cumsum(-1) - is_eos == 0).long()  # up to and including the first EOS
     logprobs = torch.stack(logprobs, dim=1)
     return Rollout(prompt, prompt_mask, completion_ids, completion_mask, logprobs)
-
-
-def _completion_logits(model: PreTrainedModel, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """Float32 logits / temperature at the positions that predict each completion token: [B, T, V].
-
-    Rows of a GRPO group share their prompt, so the prompt runs through the model once per distinct
-    prompt (a run of consecutive rows with equal ids and mask) and its KV cache, graph included, is
-    indexed out to each row; the completions then run on top of it.  Same function as one pass over
-    prompt + completion (the gradient reaches the prompt's activations through the cache), with the
-    prompt's share of the work divided by G.  Activation checkpointing turns the cache off, so it
-    gets the single pass (also if the model turned out to ignore the cache).
-    """
-    from transformers import DynamicCache
-
-    prompt, prompt_mask, completion = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
-    mask = torch.cat([prompt_mask, rollout.completion_mask], dim=1)
-    positions = position_ids(mask)
-
-    def single_pass() -> torch.Tensor:
-        ids = torch.cat([prompt, completion], dim=1)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                       logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
-        return logits.float() / temperature
-
-    first_rows, counts = _runs(torch.cat([prompt, prompt_mask], dim=1))
-    if len(counts) == prompt.shape[0] or getattr(model, "is_activation_checkpointing", False):
-        return single_pass()
-    width = prompt.shape[1]
-    cache = DynamicCache(config=model.config)
-    head = model(input_ids=prompt[first_rows], attention_mask=prompt_mask[first_rows],
-                 position_ids=positions[first_rows, :width], cache=cache, logits_to_keep=1).logits[:, -1]
-    owner = torch.repeat_interleave(torch.arange(len(counts), device=prompt.device), counts)
-    cache.batch_select_indices(owner)
-    logits = [head[owner][:, None]]  # the prompt's last position predicts the first completion token
-    if completion.shape[1] > 1:  # completion token t predicts t + 1; the last one predicts nothing
-        end = width + completion.shape[1] - 1
-        logits.append(model(input_ids=completion[:, :-1], attention_mask=mask[:, :end],
-                            position_ids=positions[:, width:end], cache=cache).logits)
-        if cache.get_seq_length() != end:  # the model ignored the cache (e.g. checkpointing we did not detect)
-            return single_pass()
-    return torch.cat(logits, dim=1).float() / temperature
-
-
-def _runs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index of each run's first row, run lengths) of consecutive equal rows."""
-    counts = torch.unique_consecutive(rows, dim=0, return_counts=True)[1]
-    return counts.cumsum(0) - counts, counts
-
-
-def completion_logprobs(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits.float() / temperature) at each completion token, from one full forward pass.
-
-    This is the training-side twin of `sample`'s logprobs (same padding, positions and numerics);
-    it keeps the graph, so call it under torch.no_grad() when no gradient is wanted. [B, T] float32,
-    0 where the completion is masked.
-    """
-    return completion_logprobs_and_entropy(model, rollout, temperature)[0]
-
-
-def completion_logprobs_and_entropy(
-    model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0, entropy_grad: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs, entropy of the sampling distribution) per completion token, both [B, T], 0 where masked.
-
-    The entropy shares the forward pass.  It carries a gradient (for an entropy bonus) only when
-    `entropy_grad`: otherwise autograd would keep a [B, T, vocab] tensor alive for nothing.
-    """
-    logp_all = torch.log_softmax(_completion_logits(model, rollout, temperature), -1)
-    logp = logp_all.gather(-1, rollout.completion_ids[..., None])[..., 0]
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp * rollout.completion_mask, entropy * rollout.completion_mask
-
-
-def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
-    """Each completion's text, up to (not including) its EOS, without special tokens."""
-    lengths = rollout.completion_mask.sum(-1).tolist()
-    rows = rollout.completion_ids.tolist()
-    return [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths, strict=True)]

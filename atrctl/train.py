@@ -1,10 +1,10 @@
 """The GRPO / ATR-GRPO training loop: rollout → rewards → advantages → policy loss → AdamW.
 
-Readable top to bottom: `train` sets up, then each step samples `prompts × group_size`
-completions, scores them, turns rewards into group-relative advantages and takes
-`num_iterations × minibatches` optimiser steps with the registered policy loss.  Everything a
-resumed run needs (weights, optimiser, RNG, step) is checkpointed; the prompt order and the
-sampling seeds are pure functions of (seed, step), so the data position is the step itself.
+Read it in call order: `train` runs the loop, `train_step` is one RL step (`rollout_step`, then
+`update_step`, which takes `num_iterations × minibatches` optimiser steps), and the set-up and the
+small pure parts come after.  Everything a resumed run needs (weights, optimiser, RNG, step) is
+checkpointed; the prompt order and the sampling seeds are pure functions of (seed, step), so the data
+position is the step itself.  Files go through `atrctl.rundir`.
 
 Under torchrun each rank samples and trains on its share of every mini-batch (`atrctl.batching`),
 gradients are summed over ranks after each mini-batch, and rank 0 alone evaluates and writes.
@@ -12,11 +12,8 @@ gradients are summed over ranks after each mini-batch, and rank 0 alone evaluate
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -26,27 +23,358 @@ from pathlib import Path
 
 import torch
 
-from atrctl import __version__, distributed, io
+from atrctl import distributed
 from atrctl.advantages import group_advantages
-from atrctl.batching import chunk_seed, concat_rollouts, micro_parts, parts, rank_positions, rows, sampling_chunks
+from atrctl.batching import concat_rollouts, micro_parts, parts, rank_positions, rollout_seed, rows, sampling_chunks
 from atrctl.checkpoint import TrainState, capture_rng, find_checkpoint, load_checkpoint, restore_rng, save_checkpoint
-from atrctl.config import AlgoConfig, Recipe, recipe_to_dict, to_toml
+from atrctl.config import AlgoConfig, Recipe
 from atrctl.errors import UserError
-from atrctl.losses import POLICY_LOSSES, policy_loss
-from atrctl.sampling import Rollout, completion_logprobs, completion_logprobs_and_entropy, decode_completions, sample
+from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
+from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, metric_reduction, policy_loss
+from atrctl.models import Numerics
+from atrctl.rollout import Rollout, RolloutBackend, decode_completions
+from atrctl.rundir import RunDir, environment
 from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
 from atrctl.tasks import Problem, get_task, problem_pool
 
 PROMPT_POOL = 20_000  # distinct train prompts cycled through in a seeded order
-MIN_KEYS = ("ratio/min",)
-MAX_KEYS = ("ratio/max", "kl3/max")
 
 
 class TrainingStopped(Exception):
     """Too many consecutive non-finite steps: the run stops with a valid checkpoint."""
 
 
-# ------------------------------------------------------------------- pure parts
+# ----------------------------------------------------------------- the loop
+
+
+def train(recipe: Recipe, directory: str | Path, *, results: Path = Path("results"), resume: bool = False,
+          overwrite: bool = False, on_step: Callable[[dict[str, float]], None] | None = None,
+          on_warmup: Callable[[int, float, float | None], None] | None = None) -> dict | None:
+    """Run (or resume) a training run in `directory`; returns the summary written to summary.json.
+
+    Under torchrun every rank trains on its share of each step and only rank 0 writes, evaluates
+    and reports (the other ranks return None).  Everything that can fail on bad input (recipe,
+    task, data, model) is set up before the run directory is touched, so a mistake never costs an
+    existing run.
+    """
+    from atrctl.models import resolve_device
+
+    with distributed.process_group(resolve_device(recipe.model.device)):
+        return _train(recipe, RunDir(directory), results, resume, overwrite, on_step, on_warmup)
+
+
+def _train(recipe: Recipe, run_dir: RunDir, results: Path, resume: bool, overwrite: bool,
+           on_step: Callable[[dict[str, float]], None] | None,
+           on_warmup: Callable[[int, float, float | None], None] | None) -> dict | None:
+    main = distributed.is_main()
+    if main:
+        run_dir.check_can_start(resume, overwrite)
+    summary_writer = _tensorboard_writer() if recipe.run.tensorboard and main else None
+    run = build_run(recipe, run_dir, results, on_warmup)
+    state = TrainState()
+    if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
+        state = load_checkpoint(find_checkpoint(run_dir.checkpoint), run.model, run.optimizer)
+        restore_rng(state)
+        if main:
+            run_dir.trim_metrics(state.step)
+    elif main:
+        run_dir.create(recipe, environment(run.device))  # only an approved --overwrite finds files here
+    writer = summary_writer(str(run_dir.tensorboard)) if summary_writer else None
+
+    def checkpoint() -> None:
+        if main:
+            capture_rng(state)
+            save_checkpoint(run_dir.checkpoint, run.model, run.optimizer, state)
+
+    def log(record: dict) -> None:
+        run_dir.append_metrics(record)
+        if writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, record["step"])
+        if on_step is not None:
+            on_step(record)
+
+    base_eval = None
+    if main:
+        base_eval = run_dir.read_summary().get("base") if resume else None
+        if base_eval is None:
+            base_eval = held_out_metrics(run)
+            run_dir.write_summary({"base": base_eval})
+    started = time.perf_counter()
+    with _StopRequest() as stop:
+        while state.step < recipe.run.steps:
+            record, finite = train_step(run, state.step)
+            state.step += 1
+            if finite:
+                state.bad_steps = 0
+            else:
+                state.bad_steps += 1
+                state.skipped_steps += 1
+            record["skipped_steps"] = state.skipped_steps
+            if main:
+                if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
+                    record.update(held_out_metrics(run))
+                log(record)
+            if state.bad_steps >= recipe.run.max_bad_steps:
+                checkpoint()
+                raise TrainingStopped(
+                    f"{state.bad_steps} consecutive steps had a non-finite loss or gradient (at step {state.step}); "
+                    f"the checkpoint in {run_dir.checkpoint} holds the last finite weights: lower optim.lr and resume")
+            if state.step % recipe.run.checkpoint_every == 0 or state.step == recipe.run.steps:
+                checkpoint()
+            stopping = distributed.all_max(torch.tensor(float(stop.signal is not None), device=run.device))
+            if stopping.item() and state.step < recipe.run.steps:  # after the last step: just finish
+                checkpoint()
+                raise KeyboardInterrupt
+    if writer is not None:
+        writer.close()
+    return _finish(run, state, base_eval, time.perf_counter() - started) if main else None
+
+
+def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dict:
+    """Save the final model in Hugging Face format and write the headline figures."""
+    run.run_dir.save_model(run.model, run.tokenizer)
+    summary = {"base": base_eval, "final": run.run_dir.last_eval(), "steps": state.step,
+               "skipped_steps": state.skipped_steps, "algo": run.recipe.algo.loss, "algo_args": run.recipe.algo.args,
+               "task": run.recipe.task.name, "seed": run.recipe.run.seed,
+               "train_seconds_this_session": round(seconds, 1)}
+    run.run_dir.write_summary(summary)
+    return summary
+
+
+# ----------------------------------------------------------------- one step
+
+
+def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
+    """One RL step: its metrics (docs/design.md §3, plus where the time went) and whether it was finite."""
+    clock = Stopwatch(run.device)
+    started = time.perf_counter()
+    rollout, rewards, _ = rollout_step(run, step, clock)  # rewards: [prompts on this rank, G]
+    advantages, _ = group_advantages(rewards, run.recipe.algo.advantage)  # [prompts, G] -> rows by flatten
+    metrics, finite = update_step(run, rollout, advantages.flatten().to(run.device), step, clock)
+    run.sampler.load_weights(run.model)  # the next rollout samples from the updated policy
+    rewards = distributed.all_gather(rewards.to(run.device)).cpu()  # every rank's groups, for the step's figures
+    _, frac_zero_std = group_advantages(rewards, run.recipe.algo.advantage)
+    tokens = int(distributed.all_sum(rollout.completion_mask.sum()).item())
+    seconds = time.perf_counter() - started
+    return {
+        "step": step + 1,
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
+        "frac_zero_std": frac_zero_std,
+        "len/mean": tokens / rewards.numel(),
+        **metrics,
+        **{f"time/{phase}": clock.seconds.get(phase, 0.0) for phase in STEP_PHASES},
+        "time/step": seconds,
+        "tokens_per_s": tokens / seconds,
+    }, finite
+
+
+def rollout_step(run: Run, step: int, clock: Stopwatch | None = None) -> tuple[Rollout, torch.Tensor, list[Problem]]:
+    """Sample G completions for each of this rank's prompts of the step and score them:
+    (rollout of prompts × G rows, prompt-major; rewards [prompts on this rank, G]; problems).
+    Chunks and seeds: `atrctl.batching`."""
+    clock = clock or Stopwatch(run.device)
+    cfg, seed = run.recipe.rollout, run.recipe.run.seed
+    picked = prompts_for_step(len(run.pool), step, cfg.prompts, seed)
+    positions = rank_positions(cfg.prompts, run.recipe.algo.minibatches, distributed.world_size(), distributed.rank())
+    problems = [run.pool[picked[p]] for p in positions]
+    pieces = []
+    with clock("rollout"):
+        for chunk in sampling_chunks(positions, cfg.group_size, cfg.sample_batch):
+            generator = torch.Generator(run.device).manual_seed(rollout_seed(seed, step, chunk[0]))
+            pieces.append(run.sampler.generate([run.pool_ids[picked[p]] for p in chunk], repeats=cfg.group_size,
+                                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                               top_p=cfg.top_p, generator=generator))
+        rollout = concat_rollouts(pieces, run.tokenizer.pad_token_id)
+    with clock("reward"):
+        texts = decode_completions(run.tokenizer, rollout)  # row i is completion i % G of problem i // G
+        rewards = [run.task.score(problems[i // cfg.group_size], text).reward for i, text in enumerate(texts)]
+    return rollout, torch.tensor(rewards).view(len(problems), cfg.group_size), problems
+
+
+def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int,
+                clock: Stopwatch | None = None) -> tuple[dict[str, float], bool]:
+    """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
+    algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch(run.device)
+    minibatches = parts(advantages.shape[0], algo.minibatches)  # row slices of whole groups
+    micro = [w for part in minibatches for w in micro_parts(part, algo.micro_batch)]  # each minibatch's pieces
+    on_policy = is_on_policy(algo)
+    old_logp = ref_logp = None
+    with clock("logprobs"), torch.no_grad(), run.numerics.autocast():
+        if recomputes_old_logprobs(algo, run.sampler):
+            old_logp = _logprobs(run.model, rollout, micro, cfg.rollout.temperature)
+        elif not on_policy:
+            old_logp = rollout.logprobs  # [rows, T], the backend's own (it says they match)
+        if run.reference is not None:
+            ref_logp = _logprobs(run.reference, rollout, micro, cfg.rollout.temperature)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.run.steps)
+
+    collected, finite = [], True
+    with clock("update"):
+        for _ in range(algo.num_iterations):
+            for part in minibatches:
+                metrics = _optimiser_step(run, rollout, advantages, part, old_logp, ref_logp, on_policy)
+                if metrics is None:
+                    finite = False
+                else:
+                    collected.append(metrics)
+    metrics = combine_metrics(collected) if collected else {}
+    metrics["lr"] = run.optimizer.param_groups[0]["lr"]
+    return metrics, finite
+
+
+def _optimiser_step(run: Run, rollout: Rollout, advantages: torch.Tensor, part: slice, old_logp, ref_logp,
+                    on_policy: bool) -> dict[str, float] | None:
+    """Accumulate one mini-batch's gradient over micro-batches and ranks, then step; None if skipped.
+
+    Each micro-batch's loss is weighted by its normaliser over the mini-batch's (summed over ranks),
+    so the summed gradient equals the single-process, whole-mini-batch gradient for every aggregation.
+    """
+    algo, cfg = run.recipe.algo, run.recipe
+    # the mini-batch's normaliser (its tokens or sequences) over every rank: a micro-batch's share is its own / this
+    total = distributed.all_sum(aggregation_normaliser(rollout.completion_mask[part], algo.agg).double()).clamp(min=1)
+    run.optimizer.zero_grad(set_to_none=True)
+    micro, finite = [], True
+    for where in micro_parts(part, algo.micro_batch):
+        sub = rows(rollout, where)  # the micro-batch: every [rows, ...] tensor sliced to `where`
+        with run.numerics.autocast():  # logp, entropy: [micro rows, T] float32
+            logp, entropy = completion_logprobs_and_entropy(run.model, sub, cfg.rollout.temperature,
+                                                            entropy_grad=bool(algo.entropy_coef))
+        loss, metrics = policy_loss(
+            logp, logp.detach() if on_policy else old_logp[where], advantages[where], sub.completion_mask,
+            algo=algo.loss, agg=algo.agg, max_new_tokens=cfg.rollout.max_new_tokens,
+            ref_logp=None if ref_logp is None else ref_logp[where], beta=algo.beta,
+            kl_estimator=algo.kl_estimator, entropy=entropy,
+            entropy_coef=algo.entropy_coef, **algo.args)
+        if not torch.isfinite(loss):
+            finite = False
+            break
+        weight = (aggregation_normaliser(sub.completion_mask, algo.agg) / total).item()  # its exact share
+        (loss * weight).backward()
+        micro.append((metrics, float(sub.completion_mask.sum()), weight))
+    distributed.sum_gradients(run.model.parameters())
+    finite = bool(distributed.all_min(torch.tensor(float(finite), device=run.device)))
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip).item() if finite else 0.0
+    if not (finite and math.isfinite(grad_norm)):
+        run.optimizer.zero_grad(set_to_none=True)
+        return None
+    run.optimizer.step()
+    return {**reduce_step_metrics(micro, run.device), "grad_norm": grad_norm}
+
+
+def _logprobs(model: torch.nn.Module, rollout: Rollout, where: list[slice], temperature: float) -> torch.Tensor:
+    return torch.cat([completion_logprobs(model, rows(rollout, w), temperature) for w in where])
+
+
+def held_out_metrics(run: Run) -> dict[str, float]:
+    """Held-out greedy accuracy and sampled pass@1, on the same problems and sample seed every time."""
+    cfg = run.recipe.eval
+    greedy = sampled_scores(run.sampler, run.tokenizer, run.task, run.held_out, run.held_out_ids, samples=1,
+                            max_new_tokens=run.recipe.rollout.max_new_tokens, greedy=True)
+    generator = torch.Generator(run.device).manual_seed(cfg.seed)
+    sampled = sampled_scores(run.sampler, run.tokenizer, run.task, run.held_out, run.held_out_ids,
+                             samples=cfg.samples, max_new_tokens=run.recipe.rollout.max_new_tokens,
+                             temperature=cfg.temperature, generator=generator)
+    return {"eval/greedy": mean_reward(greedy), "eval/pass@1": mean_reward(sampled)}
+
+
+# ----------------------------------------------------------------- set-up
+
+
+@dataclass
+class Run:
+    """Everything the loop touches, set up once."""
+
+    recipe: Recipe
+    run_dir: RunDir
+    model: torch.nn.Module
+    tokenizer: object
+    sampler: RolloutBackend
+    numerics: Numerics
+    task: object
+    pool: list[Problem]
+    pool_ids: list[list[int]]
+    held_out: list[Problem]
+    held_out_ids: list[list[int]]
+    optimizer: torch.optim.Optimizer
+    reference: torch.nn.Module | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.numerics.device
+
+
+def build_run(recipe: Recipe, directory: str | Path | RunDir, results: Path,
+              on_warmup: Callable[[int, float, float | None], None] | None = None) -> Run:
+    from atrctl.base_cache import ensure_base
+    from atrctl.models import load_model, numerics, set_cpu_threads
+    from atrctl.rollout import rollout_backend
+
+    validate_algo(recipe)
+    task = get_task(recipe.task.name, **recipe.task.args)
+    with distributed.main_first():  # rank 0 builds a missing base; the others then load it
+        base, _ = ensure_base(recipe, results, on_warmup)
+    set_cpu_threads(distributed.cpu_threads_per_rank())
+    # Master weights in float32, loaded as such (a float32 checkpoint read in bf16 would lose its low
+    # bits; bf16 ones upcast exactly); the device's numerics decide whether bf16 autocast does the arithmetic.
+    model, tokenizer = load_model(str(base), recipe.model.device, "float32")
+    compute = numerics(next(model.parameters()).device)
+    if recipe.model.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    reference = None
+    if recipe.algo.beta > 0:
+        reference, _ = load_model(str(base), recipe.model.device, recipe.model.dtype)
+        reference.requires_grad_(False)
+    pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
+    held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
+    chat = recipe.task.chat_template
+    # The fused kernel (CPU and CUDA) updates every tensor in one pass: ~6x faster than the per-tensor loop.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay,
+                                  fused=True)
+    run_dir = directory if isinstance(directory, RunDir) else RunDir(directory)
+    return Run(recipe, run_dir, model, tokenizer, rollout_backend(recipe.rollout.backend, model, tokenizer, compute),
+               compute, task, pool, encode_prompts(tokenizer, pool, chat), held_out,
+               encode_prompts(tokenizer, held_out, chat), optimizer, reference)
+
+
+def validate_algo(recipe: Recipe, world: int | None = None) -> None:
+    """Fail before any work if the loss, its parameters or the batch split (over `world` ranks) are wrong."""
+    algo, world = recipe.algo, world or distributed.world_size()
+    if algo.loss not in POLICY_LOSSES:
+        raise UserError(f"algo.loss = '{algo.loss}' is not a registered loss; use one of {', '.join(POLICY_LOSSES)}")
+    if recipe.rollout.prompts % (algo.minibatches * world):
+        ranks = f" × {world} processes" if world > 1 else ""
+        raise UserError(f"rollout.prompts ({recipe.rollout.prompts}) must be divisible by algo.minibatches "
+                        f"({algo.minibatches}){ranks} so that groups stay whole")
+    probe = torch.zeros(1, 1)
+    try:
+        policy_loss(probe, probe, torch.zeros(1), torch.ones(1, 1), algo=algo.loss, agg=algo.agg,
+                    max_new_tokens=recipe.rollout.max_new_tokens, **algo.args)
+    except ValueError as error:
+        raise UserError(f"algo.args for '{algo.loss}': {error}") from None
+
+
+def is_on_policy(algo: AlgoConfig) -> bool:
+    """One optimiser step per rollout: the ratio is exactly 1 and the current logprobs are the old ones."""
+    return algo.num_iterations == 1 and algo.minibatches == 1
+
+
+def recomputes_old_logprobs(algo: AlgoConfig, sampler: RolloutBackend) -> bool:
+    """Whether the update runs a forward pass for the ratio's denominator (see `AlgoConfig.old_logprobs`).
+
+    Only off-policy updates need old logprobs.  "auto" reuses the rollout's own when its backend says they
+    match the training forward pass (the "hf" sampler in float32: to ~1e-6, tested), which saves a forward
+    pass over the whole batch.
+    """
+    reuse = algo.old_logprobs == "sampler" or (algo.old_logprobs == "auto" and sampler.logprobs_match_training)
+    return not is_on_policy(algo) and not reuse
+
+
+# ----------------------------------------------------------------- small parts
 
 
 STEP_PHASES = ("rollout", "reward", "logprobs", "update")
@@ -96,62 +424,20 @@ def prompts_for_step(pool_size: int, step: int, prompts: int, seed: int) -> list
     return indices
 
 
-def validate_algo(recipe: Recipe, world: int | None = None) -> None:
-    """Fail before any work if the loss, its parameters or the batch split (over `world` ranks) are wrong."""
-    algo, world = recipe.algo, world or distributed.world_size()
-    if algo.loss not in POLICY_LOSSES:
-        raise UserError(f"algo.loss = '{algo.loss}' is not a registered loss; use one of {', '.join(POLICY_LOSSES)}")
-    if recipe.rollout.prompts % (algo.minibatches * world):
-        ranks = f" × {world} processes" if world > 1 else ""
-        raise UserError(f"rollout.prompts ({recipe.rollout.prompts}) must be divisible by algo.minibatches "
-                        f"({algo.minibatches}){ranks} so that groups stay whole")
-    probe = torch.zeros(1, 1)
-    try:
-        policy_loss(probe, probe, torch.zeros(1), torch.ones(1, 1), algo=algo.loss, agg=algo.agg,
-                    max_new_tokens=recipe.rollout.max_new_tokens, **algo.args)
-    except ValueError as error:
-        raise UserError(f"algo.args for '{algo.loss}': {error}") from None
-
-
-def is_on_policy(algo: AlgoConfig) -> bool:
-    """One optimiser step per rollout: the ratio is exactly 1 and the current logprobs are the old ones."""
-    return algo.num_iterations == 1 and algo.minibatches == 1
-
-
-def recomputes_old_logprobs(algo: AlgoConfig, device: torch.device) -> bool:
-    """Whether the update runs a forward pass for the ratio's denominator (see `AlgoConfig.old_logprobs`).
-
-    Only off-policy updates need old logprobs.  In float32 the sampler's KV-cache logprobs equal a full
-    forward pass's to ~1e-6 (tested), so reusing them saves a forward pass over the whole batch; bf16
-    autocast (CUDA) differs by far more.
-    """
-    reuse = algo.old_logprobs == "sampler" or (algo.old_logprobs == "auto" and device.type != "cuda")
-    return not is_on_policy(algo) and not reuse
-
-
 def combine_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Merge the metrics of several optimiser steps: min/max where they are extremes, else the mean."""
-    out = {}
-    for key in steps[0]:
-        values = [step[key] for step in steps]
-        out[key] = min(values) if key in MIN_KEYS else max(values) if key in MAX_KEYS else sum(values) / len(values)
-    return out
-
-
-def loss_normaliser(mask: torch.Tensor, agg: str) -> torch.Tensor:
-    """What `aggregate` divides a batch's loss by, up to constants: its tokens (token-mean) or its
-    sequences with tokens (the seq- aggregations).  A micro-batch's loss times its own normaliser
-    over the whole mini-batch's is its exact share of the mini-batch loss."""
-    mask = mask.bool()
-    return mask.sum() if agg == "token-mean" else (mask.sum(dim=1) > 0).sum()
+    """Merge the metrics of several optimiser steps, each by the reduction its name declares (min, max or mean)."""
+    reducers = {"min": min, "max": max, "mean": lambda values: sum(values) / len(values)}
+    return {key: reducers[metric_reduction(key)]([step[key] for step in steps]) for key in steps[0]}
 
 
 def reduce_step_metrics(micro: list[tuple[dict[str, float], float, float]], device: torch.device) -> dict[str, float]:
     """One optimiser step's metrics from (metrics, tokens, loss weight) of its micro-batches on every rank:
-    `loss` is the weighted sum (the mini-batch loss), extremes are min/max, the rest token-weighted means."""
+    `loss` is the weighted sum (the mini-batch loss), .../min and .../max are extremes, the rest
+    token-weighted means."""
     keys = list(micro[0][0])
-    lows, highs = [k for k in keys if k in MIN_KEYS], [k for k in keys if k in MAX_KEYS]
-    means = [k for k in keys if k not in lows + highs]
+    lows = [k for k in keys if metric_reduction(k) == "min"]
+    highs = [k for k in keys if metric_reduction(k) == "max"]
+    means = [k for k in keys if metric_reduction(k) == "mean"]
 
     def gathered(values: list[float], reduce) -> list[float]:
         return reduce(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
@@ -162,218 +448,6 @@ def reduce_step_metrics(micro: list[tuple[dict[str, float], float, float]], devi
     out.update(zip(lows, gathered([min(m[k] for m, _, _ in micro) for k in lows], distributed.all_min), strict=True))
     out.update(zip(highs, gathered([max(m[k] for m, _, _ in micro) for k in highs], distributed.all_max), strict=True))
     return {k: out[k] for k in keys}
-
-
-# ----------------------------------------------------------------- the run
-
-
-@dataclass
-class Run:
-    """Everything the loop touches, set up once."""
-
-    recipe: Recipe
-    directory: Path
-    model: torch.nn.Module
-    tokenizer: object
-    task: object
-    pool: list[Problem]
-    pool_ids: list[list[int]]
-    held_out: list[Problem]
-    held_out_ids: list[list[int]]
-    optimizer: torch.optim.Optimizer
-    device: torch.device
-    reference: torch.nn.Module | None = None
-
-    def autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-
-
-def rollout_step(run: Run, step: int, clock: Stopwatch | None = None) -> tuple[Rollout, torch.Tensor, list[Problem]]:
-    """Sample G completions for each of this rank's prompts of the step and score them:
-    (rollout, rewards [prompts on this rank, G], problems).  Chunks and seeds: `atrctl.batching`."""
-    clock = clock or Stopwatch(run.device)
-    cfg, seed = run.recipe.rollout, run.recipe.run.seed
-    picked = prompts_for_step(len(run.pool), step, cfg.prompts, seed)
-    positions = rank_positions(cfg.prompts, run.recipe.algo.minibatches, distributed.world_size(), distributed.rank())
-    problems = [run.pool[picked[p]] for p in positions]
-    pieces = []
-    with clock("rollout"):
-        run.model.eval()  # the KV cache is off in training mode under gradient checkpointing
-        for chunk in sampling_chunks(positions, cfg.group_size, cfg.sample_batch):
-            generator = torch.Generator(run.device).manual_seed(chunk_seed(seed, step, chunk[0]))
-            with run.autocast():
-                pieces.append(sample(run.model, [run.pool_ids[picked[p]] for p in chunk],
-                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                     eos_id=run.tokenizer.eos_token_id, pad_id=run.tokenizer.pad_token_id,
-                                     generator=generator, repeats=cfg.group_size))
-        run.model.train()
-        rollout = concat_rollouts(pieces, run.tokenizer.pad_token_id)
-    with clock("reward"):
-        texts = decode_completions(run.tokenizer, rollout)
-        rewards = [run.task.score(problems[i // cfg.group_size], text).reward for i, text in enumerate(texts)]
-    return rollout, torch.tensor(rewards).view(len(problems), cfg.group_size), problems
-
-
-def _logprobs(model: torch.nn.Module, rollout: Rollout, where: list[slice], temperature: float) -> torch.Tensor:
-    return torch.cat([completion_logprobs(model, rows(rollout, w), temperature) for w in where])
-
-
-def _optimiser_step(run: Run, rollout: Rollout, advantages: torch.Tensor, part: slice, old_logp, ref_logp,
-                    on_policy: bool) -> dict[str, float] | None:
-    """Accumulate one mini-batch's gradient over micro-batches and ranks, then step; None if skipped.
-
-    Each micro-batch's loss is weighted by its normaliser over the mini-batch's (summed over ranks),
-    so the summed gradient equals the single-process, whole-mini-batch gradient for every aggregation.
-    """
-    algo, cfg = run.recipe.algo, run.recipe
-    total = distributed.all_sum(loss_normaliser(rollout.completion_mask[part], algo.agg).double()).clamp(min=1)
-    run.optimizer.zero_grad(set_to_none=True)
-    micro, finite = [], True
-    for where in micro_parts(part, algo.micro_batch):
-        sub = rows(rollout, where)
-        with run.autocast():
-            logp, entropy = completion_logprobs_and_entropy(run.model, sub, cfg.rollout.temperature,
-                                                            entropy_grad=bool(algo.entropy_coef))
-        loss, metrics = policy_loss(
-            logp, logp.detach() if on_policy else old_logp[where], advantages[where], sub.completion_mask,
-            algo=algo.loss, agg=algo.agg, max_new_tokens=cfg.rollout.max_new_tokens,
-            ref_logp=None if ref_logp is None else ref_logp[where], beta=algo.beta,
-            kl_estimator=algo.kl_estimator, entropy=entropy,
-            entropy_coef=algo.entropy_coef, **algo.args)
-        if not torch.isfinite(loss):
-            finite = False
-            break
-        weight = (loss_normaliser(sub.completion_mask, algo.agg) / total).item()
-        (loss * weight).backward()
-        micro.append((metrics, float(sub.completion_mask.sum()), weight))
-    distributed.sum_gradients(run.model.parameters())
-    finite = bool(distributed.all_min(torch.tensor(float(finite), device=run.device)))
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip).item() if finite else 0.0
-    if not (finite and math.isfinite(grad_norm)):
-        run.optimizer.zero_grad(set_to_none=True)
-        return None
-    run.optimizer.step()
-    return {**reduce_step_metrics(micro, run.device), "grad_norm": grad_norm}
-
-
-def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int,
-                clock: Stopwatch | None = None) -> tuple[dict[str, float], bool]:
-    """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
-    algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch(run.device)
-    minibatches = parts(advantages.shape[0], algo.minibatches)
-    micro = [w for part in minibatches for w in micro_parts(part, algo.micro_batch)]
-    on_policy = is_on_policy(algo)
-    old_logp = ref_logp = None
-    with clock("logprobs"), torch.no_grad(), run.autocast():
-        if recomputes_old_logprobs(algo, run.device):
-            old_logp = _logprobs(run.model, rollout, micro, cfg.rollout.temperature)
-        elif not on_policy:
-            old_logp = rollout.logprobs
-        if run.reference is not None:
-            ref_logp = _logprobs(run.reference, rollout, micro, cfg.rollout.temperature)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.run.steps)
-
-    collected, finite = [], True
-    with clock("update"):
-        for _ in range(algo.num_iterations):
-            for part in minibatches:
-                metrics = _optimiser_step(run, rollout, advantages, part, old_logp, ref_logp, on_policy)
-                if metrics is None:
-                    finite = False
-                else:
-                    collected.append(metrics)
-    metrics = combine_metrics(collected) if collected else {}
-    metrics["lr"] = run.optimizer.param_groups[0]["lr"]
-    return metrics, finite
-
-
-def evaluate(run: Run) -> dict[str, float]:
-    """Held-out greedy accuracy and sampled pass@1, on the same problems and sample seed every time."""
-    cfg = run.recipe.eval
-    greedy = sampled_scores(run.model, run.tokenizer, run.task, run.held_out, run.held_out_ids, samples=1,
-                            max_new_tokens=run.recipe.rollout.max_new_tokens, greedy=True)
-    generator = torch.Generator(run.device).manual_seed(cfg.seed)
-    sampled = sampled_scores(run.model, run.tokenizer, run.task, run.held_out, run.held_out_ids,
-                             samples=cfg.samples, max_new_tokens=run.recipe.rollout.max_new_tokens,
-                             temperature=cfg.temperature, generator=generator)
-    return {"eval/greedy": mean_reward(greedy), "eval/pass@1": mean_reward(sampled)}
-
-
-def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
-    """One RL step: its metrics (DESIGN.md §2 names, plus where the time went) and whether it was finite."""
-    clock = Stopwatch(run.device)
-    started = time.perf_counter()
-    rollout, rewards, _ = rollout_step(run, step, clock)
-    advantages, _ = group_advantages(rewards, run.recipe.algo.advantage)
-    metrics, finite = update_step(run, rollout, advantages.flatten().to(run.device), step, clock)
-    rewards = distributed.all_gather(rewards.to(run.device)).cpu()  # every rank's groups, for the step's figures
-    _, frac_zero_std = group_advantages(rewards, run.recipe.algo.advantage)
-    tokens = int(distributed.all_sum(rollout.completion_mask.sum()).item())
-    seconds = time.perf_counter() - started
-    return {
-        "step": step + 1,
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item(),
-        "frac_zero_std": frac_zero_std,
-        "len/mean": tokens / rewards.numel(),
-        **metrics,
-        **{f"time/{phase}": clock.seconds.get(phase, 0.0) for phase in STEP_PHASES},
-        "time/step": seconds,
-        "tokens_per_s": tokens / seconds,
-    }, finite
-
-
-# ----------------------------------------------------------------- set-up
-
-
-def environment(device: torch.device) -> dict[str, str]:
-    """Versions and device recorded beside the recipe, so a result says what produced it."""
-    import transformers
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"atrctl": __version__, "git_commit": commit or "unknown", "torch": torch.__version__,
-            "transformers": transformers.__version__, "device": f"{device} ({name})",
-            "threads": str(torch.get_num_threads()), "processes": str(distributed.world_size())}
-
-
-def build_run(recipe: Recipe, directory: Path, results: Path,
-              on_warmup: Callable[[int, float, float | None], None] | None = None) -> Run:
-    from atrctl.bases import ensure_base
-    from atrctl.models import load_model, set_cpu_threads
-
-    validate_algo(recipe)
-    task = get_task(recipe.task.name, **recipe.task.args)
-    with distributed.main_first():  # rank 0 builds a missing base; the others then load it
-        base, _ = ensure_base(recipe, results, on_warmup)
-    set_cpu_threads(distributed.cpu_threads_per_rank())
-    # Master weights in float32, loaded as such (a float32 checkpoint read in bf16 would lose its low
-    # bits; bf16 ones upcast exactly); on CUDA bf16 autocast does the arithmetic.
-    model, tokenizer = load_model(str(base), recipe.model.device, "float32")
-    device = next(model.parameters()).device
-    if recipe.model.gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    model.train()
-    reference = None
-    if recipe.algo.beta > 0:
-        reference, _ = load_model(str(base), recipe.model.device, recipe.model.dtype)
-        reference.requires_grad_(False)
-    pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
-    held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
-    chat = recipe.task.chat_template
-    # The fused kernel (CPU and CUDA) updates every tensor in one pass: ~6x faster than the per-tensor loop.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay,
-                                  fused=True)
-    return Run(recipe, directory, model, tokenizer, task, pool, encode_prompts(tokenizer, pool, chat), held_out,
-               encode_prompts(tokenizer, held_out, chat), optimizer, device, reference)
-
-
-# ----------------------------------------------------------------- the loop
 
 
 class _StopRequest:
@@ -396,157 +470,6 @@ class _StopRequest:
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
-
-
-def _metrics_path(directory: Path) -> Path:
-    return directory / "metrics.jsonl"
-
-
-def _keep_metrics_until(directory: Path, step: int) -> None:
-    """On resume, drop logged steps after the checkpoint: they will be run again.
-
-    A line cut short by a crash mid-write is dropped too: it was being logged after the checkpoint.
-    """
-    path = _metrics_path(directory)
-    if path.exists():
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record["step"] <= step:
-                kept.append(line)
-        io.write_text(path, "".join(line + "\n" for line in kept))
-
-
-def check_run_directory(directory: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber a run: an existing directory needs --resume (continue) or --overwrite (replace)."""
-    if resume:
-        if find_checkpoint(directory / "checkpoint") is None:
-            raise UserError(f"{directory} has no checkpoint to resume; start it anew with the same --name "
-                            f"and --overwrite")
-    elif directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise UserError(f"run directory {directory} already exists; pick another --name, "
-                        f"or pass --resume to continue it or --overwrite to replace it")
-
-
-def train(recipe: Recipe, directory: Path, *, results: Path = Path("results"), resume: bool = False,
-          overwrite: bool = False, on_step: Callable[[dict[str, float]], None] | None = None,
-          on_warmup: Callable[[int, float, float | None], None] | None = None) -> dict | None:
-    """Run (or resume) a training run in `directory`; returns the summary written to summary.json.
-
-    Under torchrun every rank trains on its share of each step and only rank 0 writes, evaluates
-    and reports (the other ranks return None).  Everything that can fail on bad input (recipe,
-    task, data, model) is set up before the run directory is touched, so a mistake never costs an
-    existing run.
-    """
-    from atrctl.models import resolve_device
-
-    with distributed.process_group(resolve_device(recipe.model.device)):
-        return _train(recipe, directory, results, resume, overwrite, on_step, on_warmup)
-
-
-def _train(recipe: Recipe, directory: Path, results: Path, resume: bool, overwrite: bool,
-           on_step: Callable[[dict[str, float]], None] | None,
-           on_warmup: Callable[[int, float, float | None], None] | None) -> dict | None:
-    main = distributed.is_main()
-    if main:
-        check_run_directory(directory, resume, overwrite)
-    summary_writer = _tensorboard_writer() if recipe.run.tensorboard and main else None
-    run = build_run(recipe, directory, results, on_warmup)
-    state = TrainState()
-    checkpoint_dir = directory / "checkpoint"
-    if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
-        state = load_checkpoint(find_checkpoint(checkpoint_dir), run.model, run.optimizer)
-        restore_rng(state)
-        if main:
-            _keep_metrics_until(directory, state.step)
-    elif main:
-        shutil.rmtree(directory, ignore_errors=True)  # only an approved --overwrite gets here with files
-        directory.mkdir(parents=True)
-        io.write_text(directory / "config.toml",
-                      to_toml({**recipe_to_dict(recipe), "environment": environment(run.device)}))
-    writer = summary_writer(str(directory / "tensorboard")) if summary_writer else None
-
-    def checkpoint() -> None:
-        if main:
-            capture_rng(state)
-            save_checkpoint(checkpoint_dir, run.model, run.optimizer, state)
-
-    def log(record: dict) -> None:
-        with open(_metrics_path(directory), "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
-        if writer is not None:
-            for key, value in record.items():
-                if key != "step":
-                    writer.add_scalar(key, value, record["step"])
-        if on_step is not None:
-            on_step(record)
-
-    base_eval = None
-    if main:
-        base_eval = _load_summary(directory).get("base") if resume else None
-        if base_eval is None:
-            base_eval = evaluate(run)
-            io.write_text(directory / "summary.json", json.dumps({"base": base_eval}, indent=2) + "\n")
-    started = time.perf_counter()
-    with _StopRequest() as stop:
-        while state.step < recipe.run.steps:
-            record, finite = train_step(run, state.step)
-            state.step += 1
-            if finite:
-                state.bad_steps = 0
-            else:
-                state.bad_steps += 1
-                state.skipped_steps += 1
-            record["skipped_steps"] = state.skipped_steps
-            if main:
-                if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
-                    record.update(evaluate(run))
-                log(record)
-            if state.bad_steps >= recipe.run.max_bad_steps:
-                checkpoint()
-                raise TrainingStopped(
-                    f"{state.bad_steps} consecutive steps had a non-finite loss or gradient (at step {state.step}); "
-                    f"the checkpoint in {checkpoint_dir} holds the last finite weights: lower optim.lr and resume")
-            if state.step % recipe.run.checkpoint_every == 0 or state.step == recipe.run.steps:
-                checkpoint()
-            stopping = distributed.all_max(torch.tensor(float(stop.signal is not None), device=run.device))
-            if stopping.item() and state.step < recipe.run.steps:  # after the last step: just finish
-                checkpoint()
-                raise KeyboardInterrupt
-    if writer is not None:
-        writer.close()
-    return _finish(run, state, base_eval, time.perf_counter() - started) if main else None
-
-
-def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dict:
-    """Save the final model in Hugging Face format and write the headline figures."""
-    model_dir = run.directory / "model"
-    staging = run.directory / ".model.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    run.model.save_pretrained(staging)
-    run.tokenizer.save_pretrained(staging)
-    shutil.rmtree(model_dir, ignore_errors=True)
-    staging.rename(model_dir)
-    final = _last_eval(run.directory)
-    summary = {"base": base_eval, "final": final, "steps": state.step, "skipped_steps": state.skipped_steps,
-               "algo": run.recipe.algo.loss, "algo_args": run.recipe.algo.args, "task": run.recipe.task.name,
-               "seed": run.recipe.run.seed, "train_seconds_this_session": round(seconds, 1)}
-    io.write_text(run.directory / "summary.json", json.dumps(summary, indent=2) + "\n")
-    return summary
-
-
-def _last_eval(directory: Path) -> dict[str, float]:
-    records = [json.loads(line) for line in _metrics_path(directory).read_text().splitlines() if line]
-    evaluated = [r for r in records if "eval/greedy" in r]
-    return {k: v for k, v in evaluated[-1].items() if k.startswith("eval/")} if evaluated else {}
-
-
-def _load_summary(directory: Path) -> dict:
-    path = directory / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _tensorboard_writer():

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from atrctl.config import WarmupConfig
+from atrctl.models import numerics
+from atrctl.sampling import HFSampler
 from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
 from atrctl.tasks import Problem, Task, problem_pool
 
@@ -56,10 +58,11 @@ def answer_loss(model, ids: torch.Tensor, attention: torch.Tensor, on_answer: to
     return (nll * weight).sum() / weight.sum().clamp(min=1.0)
 
 
-def greedy_accuracy(model, tokenizer, task: Task, problems: Sequence[Problem], max_new_tokens: int) -> float:
+def greedy_accuracy(sampler: HFSampler, tokenizer, task: Task, problems: Sequence[Problem],
+                    max_new_tokens: int) -> float:
     """Fraction of problems whose greedy completion earns reward 1."""
     prompt_ids = encode_prompts(tokenizer, problems)
-    return mean_reward(sampled_scores(model, tokenizer, task, problems, prompt_ids, samples=1,
+    return mean_reward(sampled_scores(sampler, tokenizer, task, problems, prompt_ids, samples=1,
                                       max_new_tokens=max_new_tokens, greedy=True))
 
 
@@ -81,7 +84,8 @@ def warm_up(model, tokenizer, task: Task, config: WarmupConfig,
     budget = answer_budget(tokenizer, held_out)
     order = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    compute = numerics(device)
+    sampler = HFSampler(model, tokenizer, compute)
 
     history: list[tuple[int, float]] = []
     accuracy, step, queue = 0.0, 0, torch.empty(0, dtype=torch.long)
@@ -91,7 +95,7 @@ def warm_up(model, tokenizer, task: Task, config: WarmupConfig,
             queue = torch.cat([queue, torch.randperm(len(train), generator=order)])
         batch, queue = queue[: config.batch_size], queue[config.batch_size :]
         ids, attention, on_answer = (t.to(device) for t in encode_examples(tokenizer, [train[i] for i in batch]))
-        with autocast:
+        with compute.autocast():
             loss = answer_loss(model, ids, attention, on_answer)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -100,7 +104,7 @@ def warm_up(model, tokenizer, task: Task, config: WarmupConfig,
         step += 1
         measured = None
         if step % config.eval_every == 0 or step == config.max_steps:
-            accuracy = measured = greedy_accuracy(model, tokenizer, task, held_out, budget)
+            accuracy = measured = greedy_accuracy(sampler, tokenizer, task, held_out, budget)
             history.append((step, accuracy))
         if on_progress is not None:
             on_progress(step, loss.item(), measured)

@@ -16,7 +16,8 @@ import time
 import torch
 
 from atrctl.models import build_char_tokenizer, build_model, set_cpu_threads
-from atrctl.sampling import left_pad, sample
+from atrctl.rollout import left_pad
+from atrctl.sampling import sample
 
 
 def own_loop(model, prompts, new_tokens, tokenizer):

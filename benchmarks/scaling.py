@@ -55,7 +55,7 @@ def model_flops_per_step(run, generated: float, prompts: int, prompt_tokens: int
     generated token), old logprobs when recomputed (a forward), and μ passes of forward + backward
     (the prompt once per group)."""
     n, tokens = flop_parameters(run.model), prompts * prompt_tokens + generated
-    recompute = recomputes_old_logprobs(run.recipe.algo, run.device)
+    recompute = recomputes_old_logprobs(run.recipe.algo, run.sampler)
     return 2 * n * tokens * (1 + recompute) + 6 * n * tokens * run.recipe.algo.num_iterations
 
 

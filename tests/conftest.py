@@ -24,7 +24,7 @@ def one_cpu_thread():
 def results(tmp_path_factory, request):
     """A results folder holding the one warm base every run of the module starts from: that of the
     module's own `recipe()` (its fast settings)."""
-    from atrctl.bases import ensure_base
+    from atrctl.base_cache import ensure_base
 
     folder = tmp_path_factory.mktemp("results")
     ensure_base(request.module.recipe(), folder)

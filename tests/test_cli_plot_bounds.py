@@ -25,7 +25,7 @@ def test_writes_figure_and_csv(tmp_path, capsys):
         ("grpo", "eps=0.2"),
         ("dapo", "eps_low=0.2, eps_high=0.28"),
         ("atr", "max_kl3=0.1"),
-        ("k2", "delta=0.1"),
+        ("kl2", "delta=0.1"),
         ("reverse-kl3", "delta=0.1"),
     ]
     atr = next(r for r in rows if r["method"] == "atr")

@@ -9,7 +9,7 @@ from atrctl.cli import main
 from atrctl.compare import Arm, parse_arms
 from atrctl.compare_report import comparison_table, interval, table_markdown, two_level_bootstrap
 from atrctl.errors import UserError
-from atrctl.evaluate import EvalResult
+from atrctl.passk import EvalResult
 
 
 def result(correct_per_problem, n, greedy, seed=0):

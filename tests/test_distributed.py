@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atrctl.batching import chunk_seed, concat_rollouts, micro_parts, parts, rank_positions, sampling_chunks
+from atrctl.batching import concat_rollouts, micro_parts, parts, rank_positions, rollout_seed, sampling_chunks
 from atrctl.config import load_recipe
 from atrctl.errors import UserError
-from atrctl.sampling import Rollout
-from atrctl.train import loss_normaliser, train, validate_algo
+from atrctl.losses import aggregation_normaliser
+from atrctl.rollout import Rollout
+from atrctl.train import train, validate_algo
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
         "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10",
@@ -64,7 +65,7 @@ def test_sampling_chunks_are_aligned_and_never_cross_a_run():
     assert sampling_chunks([0, 1, 4, 5], 4, 0) == [[0, 1], [4, 5]]
     assert sampling_chunks([2, 3, 6, 7], 4, 8) == [[2, 3], [6, 7]]  # the same chunks as at one process
     assert sampling_chunks([1, 2], 4, 8) == [[1], [2]]
-    assert chunk_seed(0, 1, 2) != chunk_seed(0, 2, 1) != chunk_seed(1, 1, 2)
+    assert rollout_seed(0, 1, 2) != rollout_seed(0, 2, 1) != rollout_seed(1, 1, 2)
 
 
 def test_micro_parts_cover_the_minibatch():
@@ -83,10 +84,10 @@ def test_concat_rollouts_pads_prompts_left_and_completions_right():
     assert joined.logprobs.tolist() == [[-0.5, 0.0], [pytest.approx(-0.1), pytest.approx(-0.2)]]
 
 
-def test_loss_normaliser_counts_tokens_or_sequences():
+def test_aggregation_normaliser_counts_tokens_or_sequences():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
-    assert loss_normaliser(mask, "token-mean") == 3
-    assert loss_normaliser(mask, "seq-mean-token-mean") == loss_normaliser(mask, "seq-mean-token-sum-norm") == 2
+    assert aggregation_normaliser(mask, "token-mean") == 3
+    assert aggregation_normaliser(mask, "seq-mean-token-mean") == aggregation_normaliser(mask, "seq-mean-token-sum-norm") == 2
 
 
 def test_prompts_must_split_over_processes_and_minibatches():

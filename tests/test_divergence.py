@@ -25,7 +25,7 @@ def test_kl3_bounds_solve_their_equation(delta):
 
 @pytest.mark.parametrize("delta", DELTAS[::8])
 def test_closed_forms_agree_with_the_generic_solver(delta):
-    for closed, measure in ((dv.kl3_bounds, dv.k3), (dv.k2_bounds, dv.k2)):
+    for closed, measure in ((dv.kl3_bounds, dv.kl3), (dv.kl2_bounds, dv.kl2)):
         for exact, solved in zip(closed(delta), dv.bounds_for(measure, delta), strict=True):
             assert exact == pytest.approx(solved, rel=1e-9, abs=1e-300)
 
@@ -69,9 +69,9 @@ def test_measures_accept_floats_arrays_and_tensors():
         tensor = measure(torch.tensor(points, dtype=torch.float64))
         np.testing.assert_allclose(array, scalar, rtol=1e-15, err_msg=name)
         np.testing.assert_allclose(tensor.numpy(), scalar, rtol=1e-15, err_msg=name)
-    assert dv.k3(1.0) == 0 and dv.reverse_k3(1.0) == 0 and dv.k2(1.0) == 0
-    assert dv.k3(2.0) == pytest.approx(1 - math.log(2), rel=1e-15)
-    assert dv.reverse_k3(2.0) == pytest.approx(2 * math.log(2) - 1, rel=1e-15)
+    assert dv.kl3(1.0) == 0 and dv.reverse_kl3(1.0) == 0 and dv.kl2(1.0) == 0
+    assert dv.kl3(2.0) == pytest.approx(1 - math.log(2), rel=1e-15)
+    assert dv.reverse_kl3(2.0) == pytest.approx(2 * math.log(2) - 1, rel=1e-15)
 
 
 def test_named_trust_regions():
@@ -79,18 +79,18 @@ def test_named_trust_regions():
     assert dv.trust_region("dapo", eps_low=0.2, eps_high=0.28) == (0.8, 1.28)
     assert dv.trust_region("atr", max_kl3=0.1) == dv.kl3_bounds(0.1)
     radius = math.sqrt(0.2)
-    assert dv.trust_region("k2", delta=0.1) == pytest.approx((math.exp(-radius), math.exp(radius)), rel=1e-15)
+    assert dv.trust_region("kl2", delta=0.1) == pytest.approx((math.exp(-radius), math.exp(radius)), rel=1e-15)
     low, high = dv.trust_region("reverse-kl3", delta=0.1)
     for w in (low, high):
         assert w * math.log(w) - w + 1 == pytest.approx(0.1, abs=1e-12)
-    assert dv.trust_region("divergence", measure="k3", delta=0.1) == pytest.approx(dv.kl3_bounds(0.1))
+    assert dv.trust_region("divergence", measure="kl3", delta=0.1) == pytest.approx(dv.kl3_bounds(0.1))
 
 
 def test_one_sided_divergences_leave_a_side_unbounded():
     # reverse k3 tends to 1 as w -> 0: at delta >= 1 nothing bounds w from below
-    assert dv.bounds_for(dv.reverse_k3, 1.5)[0] == 0.0
+    assert dv.bounds_for(dv.reverse_kl3, 1.5)[0] == 0.0
     # k1 = -ln w is negative above 1: it never bounds w from above
-    low, high = dv.bounds_for(dv.k1, 0.1)
+    low, high = dv.bounds_for(dv.kl1, 0.1)
     assert high == math.inf and low == pytest.approx(math.exp(-0.1), rel=1e-12)
 
 
@@ -99,7 +99,7 @@ def test_bad_levels_are_rejected(bad):
     with pytest.raises(ValueError, match="max_kl3"):
         dv.kl3_bounds(bad)
     with pytest.raises(ValueError, match="delta"):
-        dv.bounds_for(dv.k3, bad)
+        dv.bounds_for(dv.kl3, bad)
 
 
 def test_bad_names_and_parameters_are_rejected():

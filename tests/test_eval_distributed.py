@@ -16,7 +16,7 @@ import torch
 
 from atrctl import distributed
 from atrctl.cli import main
-from atrctl.evaluate import evaluate_model, sample_chunks
+from atrctl.evaluation import evaluate_model, sample_chunks
 from atrctl.models import build_char_tokenizer, build_model
 from atrctl.tasks import Score, get_task
 

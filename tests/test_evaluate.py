@@ -5,18 +5,18 @@ import math
 import numpy as np
 import pytest
 
-from atrctl.evaluate import (
+from atrctl.evaluation import evaluate_model
+from atrctl.models import build_char_tokenizer, build_model
+from atrctl.passk import (
     EvalResult,
     avg_at_n,
     bootstrap_ci,
     default_ks,
-    evaluate_model,
     majority_at_k,
     majority_correct,
     pass_at_k,
     pass_at_k_per_problem,
 )
-from atrctl.models import build_char_tokenizer, build_model
 from atrctl.tasks import Score, get_task
 
 

@@ -116,7 +116,7 @@ def test_grpo_equals_symmetric_dapo_and_divergence_k3_equals_atr():
     torch.testing.assert_close(grpo, dapo, rtol=0, atol=0)
     torch.testing.assert_close(grad_of(grpo, logp), grad_of(dapo, logp), rtol=0, atol=0)
     atr, _ = policy_loss(logp, old_logp, adv, mask, algo="atr", max_kl3=0.05)
-    generic, _ = policy_loss(logp, old_logp, adv, mask, algo="divergence", measure="k3", delta=0.05)
+    generic, _ = policy_loss(logp, old_logp, adv, mask, algo="divergence", measure="kl3", delta=0.05)
     torch.testing.assert_close(atr, generic, rtol=1e-6, atol=1e-7)
 
 
@@ -428,7 +428,7 @@ def test_bad_names_and_parameters_are_value_errors_that_say_which():
         ({"algo": "tv-band", "delta": 0}, "delta"),
         ({"algo": "gspo", "eps_low": 2}, "eps_low"),
         ({"algo": "cispo", "eps_high": -1}, "eps_high"),
-        ({"algo": "divergence", "measure": "tv"}, "ratio, k1, k2, k3, reverse-k3"),
+        ({"algo": "divergence", "measure": "tv"}, "ratio, kl1, kl2, kl3, reverse-kl3"),
         ({"beta": 0.1}, "ref_logp"),
         ({"entropy_coef": 0.1}, "entropy"),
         ({"ref_logp": old_logp, "kl_estimator": "k4"}, "k1, k2, k3"),

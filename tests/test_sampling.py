@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from atrctl.errors import UserError
+from atrctl.forward import completion_logprobs
 from atrctl.models import build_char_tokenizer, build_model
-from atrctl.sampling import Rollout, completion_logprobs, decode_completions, draw, sample
+from atrctl.rollout import Rollout, decode_completions
+from atrctl.sampling import draw, sample
 
 TEXTS = ["12+3=", "7*8=", "100-99=", "a", "(4+4)/2="]
 

@@ -18,12 +18,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from atrctl import train as train_module
-from atrctl.bases import ensure_base
+from atrctl.base_cache import ensure_base
 from atrctl.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from atrctl.cli import main
 from atrctl.config import AlgoConfig, load_recipe, recipe_from_dict
 from atrctl.errors import UserError
 from atrctl.losses import LossOutput
+from atrctl.models import Numerics, build_char_tokenizer
+from atrctl.sampling import HFSampler
 from atrctl.train import STEP_PHASES, TrainingStopped, lr_at, prompts_for_step, recomputes_old_logprobs, train
 
 if sys.version_info >= (3, 11):
@@ -158,7 +160,11 @@ def test_first_pass_is_on_policy(short_run):
 
 
 def test_old_logprobs_are_recomputed_only_where_the_sampler_is_not_float32_exact():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    """The rollout backend decides, from its numerics: the hf sampler matches the forward pass in float32 (CPU)
+    and not under bf16 autocast (CUDA)."""
+    tokenizer = build_char_tokenizer()
+    cpu, cuda = (HFSampler(None, tokenizer, Numerics(torch.device(name), dtype))
+                 for name, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)))
     def algo(old_logprobs, minibatches=4):
         return AlgoConfig(old_logprobs=old_logprobs, minibatches=minibatches)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from atrctl import bases
+from atrctl import base_cache
 from atrctl.cli import main
 from atrctl.config import load_recipe
 from atrctl.models import build_char_tokenizer
@@ -35,8 +35,8 @@ def test_examples_train_on_the_answer_and_eos_only(tokenizer):
 
 def test_base_is_built_once_and_reused(tmp_path, monkeypatch):
     recipe = load_recipe("recipes/default.toml", FAST)
-    path, info = bases.ensure_base(recipe, tmp_path)
-    assert path == tmp_path / "bases" / bases.base_key(recipe)
+    path, info = base_cache.ensure_base(recipe, tmp_path)
+    assert path == tmp_path / "bases" / base_cache.base_key(recipe)
     assert info["steps"] == 30 and [step for step, _ in info["history"]] == [10, 20, 30]
     assert 0.0 <= info["accuracy"] <= 1.0 and info["identity"]["task_args"] == {"digits": 1, "ops": "+"}
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -44,22 +44,22 @@ def test_base_is_built_once_and_reused(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "bases").iterdir()) == [path.name]  # no staging left behind
 
     monkeypatch.setattr("atrctl.warmup.warm_up", lambda *a, **k: pytest.fail("a cached base was rebuilt"))
-    assert bases.ensure_base(recipe, tmp_path) == (path, info)
+    assert base_cache.ensure_base(recipe, tmp_path) == (path, info)
     other = load_recipe("recipes/default.toml", [*FAST, "warmup.seed=1"])
-    assert bases.base_key(other) != bases.base_key(recipe)
+    assert base_cache.base_key(other) != base_cache.base_key(recipe)
 
 
 def test_default_task_arguments_name_the_same_base():
     implicit = load_recipe(None, [])  # task.args = {}: the task's own defaults
     explicit = load_recipe(None, ["task.args.digits=3", 'task.args.ops="+"'])
-    assert bases.base_key(implicit) == bases.base_key(explicit)
-    assert bases.base_key(load_recipe(None, ["task.args.digits=2"])) != bases.base_key(implicit)
+    assert base_cache.base_key(implicit) == base_cache.base_key(explicit)
+    assert base_cache.base_key(load_recipe(None, ["task.args.digits=2"])) != base_cache.base_key(implicit)
 
 
 def test_warmup_is_deterministic(tmp_path):
     recipe = load_recipe("recipes/default.toml", FAST)
-    first, _ = bases.ensure_base(recipe, tmp_path / "a")
-    second, _ = bases.ensure_base(recipe, tmp_path / "b")
+    first, _ = base_cache.ensure_base(recipe, tmp_path / "a")
+    second, _ = base_cache.ensure_base(recipe, tmp_path / "b")
     a = AutoModelForCausalLM.from_pretrained(first).state_dict()
     b = AutoModelForCausalLM.from_pretrained(second).state_dict()
     assert all(torch.equal(a[name], b[name]) for name in a)
@@ -67,7 +67,7 @@ def test_warmup_is_deterministic(tmp_path):
 
 def test_real_models_pass_through_without_warmup(tmp_path):
     recipe = load_recipe(None, ["model.base=some/hub-model"])
-    assert bases.ensure_base(recipe, tmp_path) == ("some/hub-model", {})
+    assert base_cache.ensure_base(recipe, tmp_path) == ("some/hub-model", {})
     assert not (tmp_path / "bases").exists()
 
 

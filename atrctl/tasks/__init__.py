@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 from atrctl.errors import UserError
 from atrctl.tasks.arith import ArithTask
-from atrctl.tasks.base import Problem, Score, Task, problem_pool
 from atrctl.tasks.countdown import CountdownTask
 from atrctl.tasks.gsm8k import GSM8KTask
 from atrctl.tasks.hendrycks_math import MathTask
+from atrctl.tasks.problem import Problem, Score, Task, problem_pool
 
 TASKS: dict[str, Callable[..., Task]] = {
     "arith": ArithTask,

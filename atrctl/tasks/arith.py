@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from atrctl.errors import UserError
-from atrctl.tasks.base import Problem, Score, check_request, require_int
+from atrctl.tasks.problem import Problem, Score, check_request, require_int
 from atrctl.tasks.split import split_of, take
 
 OPS = "+-*"

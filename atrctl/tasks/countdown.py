@@ -12,8 +12,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from atrctl.errors import UserError
-from atrctl.tasks.base import Problem, Score, check_request, require_int
 from atrctl.tasks.expr import ExprError, evaluate
+from atrctl.tasks.problem import Problem, Score, check_request, require_int
 from atrctl.tasks.split import split_of
 
 ATTEMPTS_PER_PROBLEM = 1000

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from atrctl.errors import UserError
-from atrctl.tasks.base import SPLITS, Problem
+from atrctl.tasks.problem import SPLITS, Problem
 from atrctl.tasks.split import split_of
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}

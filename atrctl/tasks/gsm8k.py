@@ -1,8 +1,8 @@
 """GSM8K: grade-school word problems whose answer is the number after "####" in the worked solution."""
 
-from atrctl.tasks.base import Problem, Score, check_request
 from atrctl.tasks.data import load_problems
 from atrctl.tasks.mathcheck import extract, final_number, matches
+from atrctl.tasks.problem import Problem, Score, check_request
 from atrctl.tasks.split import stable_hash, take
 
 FIELDS = ("question", "answer")

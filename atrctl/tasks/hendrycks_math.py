@@ -1,8 +1,8 @@
 r"""MATH (Hendrycks et al.): competition problems whose answer is the last \boxed{...} of the solution."""
 
-from atrctl.tasks.base import Problem, Score, check_request
 from atrctl.tasks.data import load_problems
 from atrctl.tasks.mathcheck import extract, last_boxed, matches
+from atrctl.tasks.problem import Problem, Score, check_request
 from atrctl.tasks.split import stable_hash, take
 
 FIELDS = ("problem", "solution")

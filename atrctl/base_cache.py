@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from atrctl import io
+from atrctl import atomic
 from atrctl.config import Recipe
 from atrctl.models import CHAR_ALPHABET, PRESETS
 
@@ -92,7 +92,7 @@ def ensure_base(recipe: Recipe, results: str | Path = "results",
         tokenizer.save_pretrained(staging)
         info = {"identity": base_identity(recipe), "accuracy": result.accuracy, "steps": result.steps,
                 "seconds": round(result.seconds, 2), "history": result.history}
-        io.write_text(staging / "base.json", json.dumps(info, indent=2) + "\n")
+        atomic.write_text(staging / "base.json", json.dumps(info, indent=2) + "\n")
         os.chmod(staging, 0o755)
         os.rename(staging, target)
     except OSError:

@@ -1,15 +1,13 @@
-"""Evaluation math (DESIGN.md §3): pass@k, maj@k, avg@n and bootstrap intervals over problems.
+"""Evaluation math (docs/design.md §4): pass@k, maj@k, avg@n and bootstrap intervals over problems.
 
-Everything here but `evaluate_model` is a pure numpy function, so a comparison can recompute any
-figure from the per-sample rewards.  A sample is *correct* when it earns the full reward (1).
-Importing this module stays cheap: torch is imported inside `evaluate_model` only.
+Pure numpy functions, so a comparison can recompute any figure from the per-sample rewards.  A sample
+is *correct* when it earns the full reward (1).  Sampling the completions is `atrctl.evaluation`'s job.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,76 +137,3 @@ class EvalResult:
         out["avg@n"] = avg_at_n(self.rewards)
         out["greedy"] = float(self.greedy.mean())
         return out
-
-
-def sample_chunks(problems: int, n: int, batch_size: int) -> list[range]:
-    """The problems sampled together: runs of max(1, batch_size // n), cut at multiples of that size."""
-    width = max(1, batch_size // n)
-    return [range(first, min(first + width, problems)) for first in range(0, problems, width)]
-
-
-def chunk_seed(seed: int, first: int) -> int:
-    """Seed of the generator that samples the chunk whose first problem has index `first`."""
-    return (seed * 1_000_003 + first) % (2**63)
-
-
-def evaluate_model(model, tokenizer, task, problems: Sequence, *, n: int, temperature: float, seed: int,
-                   max_new_tokens: int, chat_template: bool = False, batch_size: int = 1024,
-                   on_progress: Callable[[int, int], None] | None = None) -> EvalResult:
-    """A greedy completion and n samples for each problem, scored by the task.
-
-    Problems are sampled in chunks of max(1, batch_size // n) whole problems (at most about
-    `batch_size` completions, cut at multiples of the chunk size), each chunk from its own generator
-    seeded by (seed, index of its first problem) on the model's device.  Greedy completions go in
-    blocks of `batch_size` problems.  Under a joined process group (torchrun) rank r takes chunks and
-    blocks r, r + W, ... and every rank receives the whole result, in problem order: the samples of a
-    problem do not depend on the world size, so W processes give the 1-process result.
-    on_progress(problems sampled, total) follows this process's share of the sampling.
-    """
-    import torch
-
-    from atrctl import distributed
-    from atrctl.scoring import encode_prompts, sampled_scores
-
-    if n < 1:
-        raise ValueError(f"n={n} must be at least 1")
-    started = time.perf_counter()
-    rank, world = distributed.shard()
-    prompt_ids = encode_prompts(tokenizer, problems, chat_template)
-    device = next(model.parameters()).device
-
-    greedy: dict[int, bool] = {}
-    blocks = [range(f, min(f + batch_size, len(problems))) for f in range(0, len(problems), batch_size)]
-    for block in blocks[rank::world]:
-        scores = sampled_scores(model, tokenizer, task, problems[block.start : block.stop],
-                                prompt_ids[block.start : block.stop], samples=1, greedy=True,
-                                max_new_tokens=max_new_tokens, batch_size=batch_size)
-        greedy.update((i, row[0].reward >= 1) for i, row in zip(block, scores, strict=True))
-
-    sampled: dict[int, tuple[list[float], list[str | None]]] = {}
-    mine = sample_chunks(len(problems), n, batch_size)[rank::world]
-    total = sum(len(chunk) for chunk in mine)
-    for chunk in mine:
-        generator = torch.Generator(device).manual_seed(chunk_seed(seed, chunk.start))
-        scores = sampled_scores(model, tokenizer, task, problems[chunk.start : chunk.stop],
-                                prompt_ids[chunk.start : chunk.stop], samples=n, temperature=temperature,
-                                max_new_tokens=max_new_tokens, generator=generator, batch_size=batch_size)
-        sampled.update((i, ([s.reward for s in row], [s.parsed for s in row]))
-                       for i, row in zip(chunk, scores, strict=True))
-        if on_progress is not None:
-            on_progress(len(sampled), total)
-
-    for other_greedy, other_sampled in distributed.all_gather_objects((greedy, sampled)):
-        greedy.update(other_greedy)
-        sampled.update(other_sampled)
-    order = range(len(problems))
-    return EvalResult(
-        problem_ids=[p.id for p in problems],
-        n=n,
-        rewards=np.array([sampled[i][0] for i in order], dtype=np.float32).reshape(len(problems), n),
-        parsed=[sampled[i][1] for i in order],
-        greedy=np.array([greedy[i] for i in order], dtype=bool),
-        temperature=temperature,
-        seed=seed,
-        seconds=time.perf_counter() - started,
-    )

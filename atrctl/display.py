@@ -1,0 +1,161 @@
+"""What the CLI shows: rich tables and progress bars.  Presentation only: every number comes from the core.
+
+Heavy libraries stay out: this module is imported by `atrctl --help`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get whole tables
+stderr = Console(stderr=True)
+
+
+# ------------------------------------------------------------------ tables
+
+
+def methods_table(rows) -> Table:
+    table = Table(title=r"Trust regions in ratio space: clip w = π_θ/π_old to \[l, u]")
+    table.caption = "TRL: epsilon / epsilon_high; verl: clip_ratio_low / clip_ratio_high — the same two numbers"
+    for column in ("method", "setting", "l", "u", "1 − l", "u − 1", "ln l", "ln u", "TRL / verl settings"):
+        table.add_column(column, justify="left" if column in ("method", "setting") else "right")
+    for row in rows:
+        table.add_row(row.method, row.setting, f"{row.low:.6f}", f"{row.high:.6f}", f"{row.eps_low:.4f}",
+                      f"{row.eps_high:.4f}", f"{row.log_low:.4f}", f"{row.log_high:.4f}",
+                      f"{row.eps_low:.6g} / {row.eps_high:.6g}")
+    return table
+
+
+def sweep_table(rows) -> Table:
+    table = Table(title="ATR-GRPO: KL3 level δ → ratio bounds and the equivalent clip ε's")
+    for column in ("max_kl3 δ", "l", "u", "eps_low = 1 − l", "eps_high = u − 1", "(u − 1) / (1 − l)"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row.setting.split("=")[1], f"{row.low:.6f}", f"{row.high:.6f}", f"{row.eps_low:.6f}",
+                      f"{row.eps_high:.6f}", f"{row.eps_high / row.eps_low:.3f}")
+    return table
+
+
+def passk_table(summary: dict, ks: Sequence[int], title: str) -> Table:
+    table = Table(title=escape(title))
+    table.caption = (f"avg@n {summary['avg@n']:.4f}  greedy {summary['greedy']:.4f}  seed {summary['seed']}  "
+                     f"{summary['seconds']:.1f} s")
+    for column in ("k", "pass@k", "95% CI", "maj@k"):
+        table.add_column(column, justify="right")
+    for k in ks:
+        interval = escape(f"[{summary[f'pass@{k}/low']:.4f}, {summary[f'pass@{k}/high']:.4f}]")
+        table.add_row(str(k), f"{summary[f'pass@{k}']:.4f}", interval, f"{summary[f'maj@{k}']:.4f}")
+    return table
+
+
+def compare_table(rows: list[dict], ks: Sequence[int]) -> Table:
+    metrics = [f"pass@{k}" for k in ks] + ["greedy"]
+    table = Table(title="pass@k, mean over seeds and problems [95% CI]; ★ = difference whose CI excludes 0")
+    table.add_column("arm")
+    table.add_column("seeds", justify="right")
+    for metric in metrics:
+        table.add_column(metric, justify="right")
+    for row in rows:
+        cells = [f"{row[m]:.3f} \\[{row[m + ' low']:.3f}, {row[m + ' high']:.3f}]"
+                 + (" ★" if row.get(f"{m} excludes_0") else "") for m in metrics]
+        table.add_row(row["row"], str(row["seeds"]), *cells)
+    return table
+
+
+def catalog_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
+    """One section of `atrctl ls`."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
+    return table
+
+
+# ------------------------------------------------------------------ progress
+
+
+@contextmanager
+def warmup_bar(max_steps: int) -> Iterator[Callable[[int, float, float | None], None]]:
+    """A bar for `atrctl warmup`; yields on_progress(step, loss, held-out accuracy or None)."""
+    columns = (TextColumn("warm-up"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task("warm-up", total=max_steps, status="")
+        shown = {"accuracy": "–"}
+
+        def on_progress(step: int, loss: float, accuracy: float | None) -> None:
+            if accuracy is not None:
+                shown["accuracy"] = f"{accuracy:.1%}"
+            progress.update(bar, completed=step, status=f"loss {loss:.3f}  held-out greedy {shown['accuracy']}")
+
+        yield on_progress
+
+
+@contextmanager
+def training_bars(loss: str, steps: int, warmup_steps: int):
+    """Live bars for a training run (the warm-up one only if a base is built); yields (on_warmup, on_step).
+
+    A run stopped by bad input before any bar showed leaves the terminal as it was."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        bars: dict[str, int] = {}  # created when that phase starts: a cached base shows no warm-up bar
+
+        def on_warmup(step: int, loss_value: float, accuracy: float | None) -> None:
+            if "warmup" not in bars:
+                bars["warmup"] = progress.add_task("warm-up", total=warmup_steps, status="")
+            status = f"loss {loss_value:.3f}" + (f"  held-out greedy {accuracy:.1%}" if accuracy is not None else "")
+            progress.update(bars["warmup"], completed=step, status=status)
+
+        def on_step(record: dict) -> None:
+            if "train" not in bars:
+                bars["train"] = progress.add_task(f"train {loss}", total=steps, status="")
+            status = (f"reward {record['reward/mean']:.3f}  clip low {record.get('clip/low', 0):.3f} "
+                      f"high {record.get('clip/high', 0):.3f}  kl3 {record.get('kl3/mean', 0):.2e}  "
+                      f"entropy {record.get('entropy', 0):.3f}  {record['tokens_per_s']:.0f} tok/s")
+            if "eval/greedy" in record:
+                status += f"  eval greedy {record['eval/greedy']:.1%} pass@1 {record['eval/pass@1']:.1%}"
+            progress.update(bars["train"], completed=record["step"], status=status)
+
+        try:
+            yield on_warmup, on_step
+        finally:
+            if not bars:  # nothing was shown (bad input): stop quietly, without rich's closing blank line
+                progress.live.transient = True
+                progress.live.stop()
+                progress.disable = True
+
+
+@contextmanager
+def sampling_bar(total: int) -> Iterator[Callable[[int, int], None]]:
+    """A bar over problems sampled; yields on_progress(done, total) (total: this process's share)."""
+    columns = (TextColumn("sampling"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task("sampling", total=total)
+        yield lambda done, share: progress.update(bar, completed=done, total=share)
+
+
+@contextmanager
+def phase_bars() -> Iterator[Callable[[str, str, int, int, str], None]]:
+    """One bar per phase of a long pipeline, each made on its first report; yields
+    advance(key, description, done, total, note)."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        bars: dict[str, int] = {}
+
+        def advance(key: str, description: str, done: int, total: int, note: str = "") -> None:
+            if key not in bars:
+                bars[key] = progress.add_task(description, total=total, note="")
+            progress.update(bars[key], completed=done, note=note)
+
+        yield advance

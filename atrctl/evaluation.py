@@ -1,0 +1,177 @@
+"""Evaluating a model: n samples and a greedy completion per problem, scored by the task.
+
+`evaluate_model` samples and scores (sharded over ranks under torchrun); `evaluate_target` is the one
+path that evaluates a run directory or a model directory, used by `atrctl eval` and by `atrctl compare`
+alike; `run_evaluation` is `atrctl eval` without its display.  The figures themselves are
+`atrctl.passk`'s pure functions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from atrctl import distributed
+from atrctl.errors import UserError
+from atrctl.passk import EvalResult
+from atrctl.rundir import RunDir
+from atrctl.tasks import Problem
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    """What a model is evaluated with: a run directory brings its own recipe, a bare model the caller's."""
+
+    model: str  # a model directory or hub name for load_model
+    task: str
+    task_args: dict
+    chat_template: bool
+    max_new_tokens: int
+    dtype: str
+    problem_seed: int  # the held-out problems training evaluated on (eval.seed), shared by every run
+    directory: Path  # where its evaluation files go
+
+
+def eval_target(target: str, task: str | None = None, task_args: dict | None = None,
+                max_new_tokens: int | None = None, out: Path | None = None) -> EvalTarget:
+    """TARGET resolved: a run directory brings its own recipe (task, chat template, lengths, dtype); a model
+    directory or hub name needs `task` and `max_new_tokens`."""
+    from atrctl.config import EvalConfig
+
+    task_args = task_args or {}
+    run = RunDir(Path(target).expanduser())
+    if run.is_run:
+        recipe = run.recipe()
+        if not run.model.is_dir():
+            raise UserError(f"run {run.path} has no final model in {run.model}: finish (or resume) its training")
+        name, args = (task, task_args) if task else (recipe.task.name, {**recipe.task.args, **task_args})
+        return EvalTarget(str(run.model), name, args, recipe.task.chat_template,
+                          max_new_tokens or recipe.rollout.max_new_tokens, recipe.model.dtype, recipe.eval.seed,
+                          out or run.eval)
+    if task is None:
+        raise UserError(f"{target} is not a run directory (no config.toml): name its task, e.g. --task arith")
+    if max_new_tokens is None:
+        raise UserError(f"{target} is not a run directory: give --max-new-tokens (e.g. 8 for 3-digit arith, "
+                        f"512 for gsm8k) so answers are not silently cut short")
+    path = run.path
+    stem = path.name if path.name != "model" else path.parent.name
+    return EvalTarget(target, task, task_args, False, max_new_tokens, "auto", EvalConfig().seed,
+                      out or Path("results") / f"eval-{stem}")
+
+
+def evaluate_target(spec: EvalTarget, problems: Sequence[Problem], *, n: int, temperature: float, seed: int,
+                    device: str, batch_size: int = 1024,
+                    on_progress: Callable[[int, int], None] | None = None) -> EvalResult:
+    """Load the target's model and evaluate it on `problems` of its task (the caller picks them, so that
+    a comparison gives every arm the same ones)."""
+    from atrctl.models import load_model
+    from atrctl.tasks import get_task
+
+    task = get_task(spec.task, **spec.task_args)
+    model, tokenizer = load_model(spec.model, device, spec.dtype)
+    return evaluate_model(model, tokenizer, task, problems, n=n, temperature=temperature, seed=seed,
+                          max_new_tokens=spec.max_new_tokens, chat_template=spec.chat_template,
+                          batch_size=batch_size, on_progress=on_progress)
+
+
+def run_evaluation(spec: EvalTarget, target: str, *, split: str, problems: int, n: int, ks: Sequence[int],
+                   temperature: float, seed: int, device: str, batch_size: int,
+                   on_progress: Callable[[int, int], None] | None = None) -> tuple[EvalResult, str, list[Path]] | None:
+    """`atrctl eval`: sample (this process's share of) the problems; rank 0 writes the three files and gets
+    (result, a one-line description of the setting, the files), the other ranks None."""
+    from atrctl.eval_report import write_eval
+    from atrctl.models import resolve_device, set_cpu_threads
+    from atrctl.tasks import get_task
+
+    with distributed.process_group(resolve_device(device)):
+        picked = get_task(spec.task, **spec.task_args).problems(split, problems, spec.problem_seed)
+        set_cpu_threads(distributed.cpu_threads_per_rank())
+        result = evaluate_target(spec, picked, n=n, temperature=temperature, seed=seed, device=device,
+                                 batch_size=batch_size, on_progress=on_progress if distributed.is_main() else None)
+        if not distributed.is_main():
+            return None
+        setting = f"{spec.task} {split}, {len(picked)} problems, n={n}, T={temperature:g}"
+        try:
+            paths = write_eval(result, ks, spec.directory, f"{target}: {setting}")
+        except OSError as error:
+            raise UserError(f"cannot write to {spec.directory} ({error.strerror}); use --out elsewhere") from None
+        return result, setting, paths
+
+
+def sample_chunks(problems: int, n: int, batch_size: int) -> list[range]:
+    """The problems sampled together: runs of max(1, batch_size // n), cut at multiples of that size."""
+    width = max(1, batch_size // n)
+    return [range(first, min(first + width, problems)) for first in range(0, problems, width)]
+
+
+def eval_chunk_seed(seed: int, first: int) -> int:
+    """Seed of the generator that samples the chunk whose first problem has index `first`."""
+    return (seed * 1_000_003 + first) % (2**63)
+
+
+def evaluate_model(model, tokenizer, task, problems: Sequence, *, n: int, temperature: float, seed: int,
+                   max_new_tokens: int, chat_template: bool = False, batch_size: int = 1024, backend: str = "hf",
+                   on_progress: Callable[[int, int], None] | None = None) -> EvalResult:
+    """A greedy completion and n samples for each problem, scored by the task.
+
+    Problems are sampled in chunks of max(1, batch_size // n) whole problems (at most about
+    `batch_size` completions, cut at multiples of the chunk size), each chunk from its own generator
+    seeded by (seed, index of its first problem) on the model's device.  Greedy completions go in
+    blocks of `batch_size` problems.  Under a joined process group (torchrun) rank r takes chunks and
+    blocks r, r + W, ... and every rank receives the whole result, in problem order: the samples of a
+    problem do not depend on the world size, so W processes give the 1-process result.
+    on_progress(problems sampled, total) follows this process's share of the sampling.
+    """
+    import torch
+
+    from atrctl.models import numerics
+    from atrctl.rollout import rollout_backend
+    from atrctl.scoring import encode_prompts, sampled_scores
+
+    if n < 1:
+        raise ValueError(f"n={n} must be at least 1")
+    started = time.perf_counter()
+    rank, world = distributed.shard()
+    prompt_ids = encode_prompts(tokenizer, problems, chat_template)
+    device = next(model.parameters()).device
+    sampler = rollout_backend(backend, model, tokenizer, numerics(device))
+
+    greedy: dict[int, bool] = {}
+    blocks = [range(f, min(f + batch_size, len(problems))) for f in range(0, len(problems), batch_size)]
+    for block in blocks[rank::world]:
+        scores = sampled_scores(sampler, tokenizer, task, problems[block.start : block.stop],
+                                prompt_ids[block.start : block.stop], samples=1, greedy=True,
+                                max_new_tokens=max_new_tokens, batch_size=batch_size)
+        greedy.update((i, row[0].reward >= 1) for i, row in zip(block, scores, strict=True))
+
+    sampled: dict[int, tuple[list[float], list[str | None]]] = {}
+    mine = sample_chunks(len(problems), n, batch_size)[rank::world]
+    total = sum(len(chunk) for chunk in mine)
+    for chunk in mine:
+        generator = torch.Generator(device).manual_seed(eval_chunk_seed(seed, chunk.start))
+        scores = sampled_scores(sampler, tokenizer, task, problems[chunk.start : chunk.stop],
+                                prompt_ids[chunk.start : chunk.stop], samples=n, temperature=temperature,
+                                max_new_tokens=max_new_tokens, generator=generator, batch_size=batch_size)
+        sampled.update((i, ([s.reward for s in row], [s.parsed for s in row]))
+                       for i, row in zip(chunk, scores, strict=True))
+        if on_progress is not None:
+            on_progress(len(sampled), total)
+
+    for other_greedy, other_sampled in distributed.all_gather_objects((greedy, sampled)):
+        greedy.update(other_greedy)
+        sampled.update(other_sampled)
+    order = range(len(problems))
+    return EvalResult(
+        problem_ids=[p.id for p in problems],
+        n=n,
+        rewards=np.array([sampled[i][0] for i in order], dtype=np.float32).reshape(len(problems), n),
+        parsed=[sampled[i][1] for i in order],
+        greedy=np.array([greedy[i] for i in order], dtype=bool),
+        temperature=temperature,
+        seed=seed,
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,182 @@
+"""The run directory: the one module that knows where a run's files are and how to read and write them.
+
+    <run>/config.toml     the resolved recipe, plus an [environment] table of provenance
+    <run>/metrics.jsonl   one JSON record per RL step, appended as the run goes
+    <run>/checkpoint/     the latest resumable state (`atrctl.checkpoint`)
+    <run>/model/          the final policy, Hugging Face format
+    <run>/eval/           `atrctl eval`'s passk.csv / passk.md / passk.png
+    <run>/summary.json    {"base": ...} from the start, then the final figures
+    <run>/tensorboard/    event files when asked for
+
+A run is *finished* once its final model is saved and the summary says "final"; it is *evaluated* once
+eval/passk.csv exists (written last of the three).  docs/design.md §5 has the meaning of every file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from atrctl import __version__, atomic
+from atrctl.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+if TYPE_CHECKING:
+    import torch
+
+    from atrctl.config import Recipe
+
+
+class RunDir:
+    """Paths and file rules of one run directory; cheap to make, touches nothing until asked."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.config = self.path / "config.toml"
+        self.metrics = self.path / "metrics.jsonl"
+        self.checkpoint = self.path / "checkpoint"
+        self.model = self.path / "model"
+        self.eval = self.path / "eval"
+        self.summary = self.path / "summary.json"
+        self.tensorboard = self.path / "tensorboard"
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def is_run(self) -> bool:
+        """It holds a recorded recipe: a run was started here."""
+        return self.config.is_file()
+
+    @property
+    def finished(self) -> bool:
+        """Training completed: the final model is saved and the summary holds the final figures."""
+        return self.model.is_dir() and "final" in self.read_summary()
+
+    @property
+    def evaluated(self) -> bool:
+        return (self.eval / "passk.csv").is_file()
+
+    def check_can_start(self, resume: bool, overwrite: bool) -> None:
+        """Refuse to clobber a run: an existing directory needs resume (continue) or overwrite (replace)."""
+        from atrctl.checkpoint import find_checkpoint
+
+        if resume:
+            if find_checkpoint(self.checkpoint) is None:
+                raise UserError(f"{self.path} has no checkpoint to resume; start it anew with the same --name "
+                                f"and --overwrite")
+        elif self.path.exists() and any(self.path.iterdir()) and not overwrite:
+            raise UserError(f"run directory {self.path} already exists; pick another --name, "
+                            f"or pass --resume to continue it or --overwrite to replace it")
+
+    # ------------------------------------------------------------ config.toml
+
+    def recipe(self) -> Recipe:
+        """The recipe the run recorded (its [environment] table is provenance, not settings)."""
+        from atrctl.config import recipe_from_dict
+
+        if not self.is_run:
+            raise UserError(f"{self.path} has no config.toml: give a run directory such as results/<run>")
+        data = tomllib.loads(self.config.read_text(encoding="utf-8"))
+        data.pop("environment", None)
+        return recipe_from_dict(data)
+
+    def create(self, recipe: Recipe, environment: dict[str, str]) -> None:
+        """Start the directory afresh (an approved overwrite loses the old contents) with its config.toml."""
+        from atrctl.config import recipe_to_dict, to_toml
+
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(parents=True)
+        atomic.write_text(self.config, to_toml({**recipe_to_dict(recipe), "environment": environment}))
+
+    # ------------------------------------------------------------ metrics.jsonl
+
+    def read_metrics(self) -> list[dict]:
+        """Every logged record, in order; a line cut short by a crash mid-write is not a record."""
+        if not self.metrics.is_file():
+            return []
+        records = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
+
+    def steps_logged(self) -> int:
+        """Lines in metrics.jsonl: a cheap progress count for a run that another process is writing."""
+        if not self.metrics.is_file():
+            return 0
+        with self.metrics.open() as handle:
+            return sum(1 for _ in handle)
+
+    def append_metrics(self, record: dict) -> None:
+        with open(self.metrics, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def trim_metrics(self, step: int) -> None:
+        """On resume, drop records after the checkpoint's step (they will be run again) and any torn line."""
+        if self.metrics.exists():
+            kept = [record for record in self.read_metrics() if record["step"] <= step]
+            atomic.write_text(self.metrics, "".join(json.dumps(record) + "\n" for record in kept))
+
+    def last_eval(self) -> dict[str, float]:
+        """The eval/... figures of the last evaluated step ({} if none was)."""
+        evaluated = [record for record in self.read_metrics() if "eval/greedy" in record]
+        return {k: v for k, v in evaluated[-1].items() if k.startswith("eval/")} if evaluated else {}
+
+    # ------------------------------------------------------------ summary.json and model/
+
+    def read_summary(self) -> dict:
+        return json.loads(self.summary.read_text()) if self.summary.is_file() else {}
+
+    def write_summary(self, summary: dict) -> None:
+        atomic.write_text(self.summary, json.dumps(summary, indent=2) + "\n")
+
+    def save_model(self, model, tokenizer) -> None:
+        """The final model in Hugging Face format, staged beside model/ and renamed into place."""
+        staging = self.path / ".model.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(self.model, ignore_errors=True)
+        staging.rename(self.model)
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """Versions and device recorded beside the recipe, so a result says what produced it."""
+    import torch
+    import transformers
+
+    from atrctl import distributed
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"atrctl": __version__, "git_commit": commit or "unknown", "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": f"{device} ({name})",
+            "threads": str(torch.get_num_threads()), "processes": str(distributed.world_size())}
+
+
+def default_run_name(recipe: Recipe) -> str:
+    """<loss>-<task>-s<seed>-<time>: readable, and distinct for runs started a second apart."""
+    import time
+
+    return f"{recipe.algo.loss}-{recipe.task.name}-s{recipe.run.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
