@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atrctl.divergence import trust_region
+from atrctl.errors import UserError
 
 SWEEP_DELTAS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
+FIGURE_FORMATS = ("png", "svg", "pdf")
 
 
 @dataclass(frozen=True)
@@ -101,3 +103,22 @@ def write_bounds(figure_path: Path, max_kl3s: Sequence[float], eps: float, metho
         figure.savefig(tmp, format=figure_path.suffix.lstrip("."), dpi=130)
     atomic.write_text(csv_path, to_csv(methods, sweep))
     return csv_path
+
+
+def figure_path(out: Path | None, fmt: str | None, max_kl3s: Sequence[float]) -> Path:
+    """Where `plot-bounds` writes its figure (--out, --format), checked and with its folder made, before any work."""
+    if out is None:
+        tag = "_".join(f"{d:g}" for d in sorted(max_kl3s))
+        out = Path("results/bounds") / f"bounds-kl3-{tag}.{fmt or FIGURE_FORMATS[0]}"
+    suffix = out.suffix.lstrip(".").lower()
+    if fmt is None and suffix not in FIGURE_FORMATS:
+        raise UserError(f"--out {out}: unknown figure type '.{suffix}'; end it in .png, .svg or .pdf")
+    if fmt is not None and suffix != fmt:
+        raise UserError(f"--out {out} does not end in .{fmt} as --format asks; make them agree")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"--out {out}: cannot create {out.parent} ({error.strerror}); choose a writable path") from None
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file path such as {out / 'bounds.png'}")
+    return out

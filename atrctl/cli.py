@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from atrctl import __version__
+from atrctl.bounds_table import FIGURE_FORMATS
 from atrctl.config import OptimConfig, RolloutConfig, RunConfig
 from atrctl.display import console, stderr
 from atrctl.divergence import region_defaults
@@ -29,6 +30,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+FigureFormat = Enum("FigureFormat", {name: name for name in FIGURE_FORMATS}, type=str)
 # Loss defaults for the help texts, read from the trust-region registry (one source).
 MAX_KL3, EPS = region_defaults("atr")["max_kl3"], region_defaults("grpo")["eps"]
 EPS_HIGH = region_defaults("dapo")["eps_high"]
@@ -64,36 +66,6 @@ def _unit_open(value: float, flag: str) -> float:
     return value
 
 
-class FigureFormat(str, Enum):
-    png = "png"
-    svg = "svg"
-    pdf = "pdf"
-
-
-def _figure_path(out: Path | None, fmt: FigureFormat | None, max_kl3s: list[float]) -> Path:
-    if out is None:
-        tag = "_".join(f"{d:g}" for d in sorted(max_kl3s))
-        return Path("results/bounds") / f"bounds-kl3-{tag}.{(fmt or FigureFormat.png).value}"
-    suffix = out.suffix.lstrip(".").lower()
-    if fmt is None:
-        if suffix not in FigureFormat.__members__:
-            raise UserError(f"--out {out}: unknown figure type '.{suffix}'; end it in .png, .svg or .pdf")
-        return out
-    if suffix != fmt.value:
-        raise UserError(f"--out {out} does not end in .{fmt.value} as --format asks; make them agree")
-    return out
-
-
-def _prepare_directory(path: Path) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        message = f"--out {path}: cannot create {path.parent} ({error.strerror}); choose a writable path"
-        raise UserError(message) from None
-    if path.is_dir():
-        raise UserError(f"--out {path} is a directory; give a file path such as {path / 'bounds.png'}")
-
-
 # -------------------------------------------------------------- plot-bounds
 
 
@@ -118,10 +90,10 @@ def plot_bounds(
             raise UserError(f"--max-kl3 must be at most {LIMIT:g} (got {delta}); typical values are 0.01-0.2")
     _unit_open(eps, "--eps")
     _positive(eps_high, "--eps-high")
-    figure_path = _figure_path(out, fmt, max_kl3)
-    _prepare_directory(figure_path)
 
     from atrctl import bounds_table
+
+    figure_path = bounds_table.figure_path(out, fmt and fmt.value, max_kl3)
 
     methods, sweep = bounds_table.method_rows(max_kl3, eps, eps_high), bounds_table.sweep_rows()
     console.print(display.methods_table(methods))
@@ -149,14 +121,6 @@ def list_registered() -> None:
 # ------------------------------------------------------------------- warmup
 
 
-def _quiet_libraries() -> None:
-    """Our progress display is the only one: silence transformers' and the hub's tqdm bars."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
-
-
 RecipeOption = Annotated[Path | None, typer.Option("--recipe", help="TOML recipe \\[default: built-in defaults].")]
 SetOption = Annotated[
     list[str] | None, typer.Option("--set", help="Override any recipe key: section.key=value (repeatable).")
@@ -179,7 +143,7 @@ def warmup(
     from atrctl.config import load_recipe
     from atrctl.models import PRESETS
 
-    _quiet_libraries()
+    display.quiet_libraries()
     config = load_recipe(recipe, list(set_ or []) + ([f"warmup.seed={seed}"] if seed is not None else []))
     if config.model.base not in PRESETS:
         raise UserError(f"model.base '{config.model.base}' is not a preset ({', '.join(PRESETS)}): "
@@ -191,19 +155,6 @@ def warmup(
 
 
 # -------------------------------------------------------------------- train
-
-
-def _recipe_with_flags(recipe: Path | None, flags: dict, sets: list[str], max_kl3, eps, eps_high):
-    """The recipe with the common flags applied after --recipe and before --set; --max-kl3 / --eps /
-    --eps-high become the parameters of whichever loss the recipe ends up with."""
-    from atrctl.config import load_recipe
-    from atrctl.losses import POLICY_LOSSES, flag_parameters
-
-    common = [f"{key}={value}" for key, value in flags.items() if value is not None]
-    loss = load_recipe(recipe, common + sets).algo.loss
-    loss_args = flag_parameters(loss, max_kl3, eps, eps_high) if loss in POLICY_LOSSES else \
-        {k: v for k, v in (("max_kl3", max_kl3), ("eps", eps), ("eps_high", eps_high)) if v is not None}
-    return load_recipe(recipe, common + [f"algo.args.{key}={value}" for key, value in loss_args.items()] + sets)
 
 
 @app.command()
@@ -232,9 +183,10 @@ def train(
 ) -> None:
     """Train a policy with GRPO, ATR-GRPO or another registered loss."""
     from atrctl import display, distributed
+    from atrctl.config import load_recipe_with_flags
     from atrctl.rundir import RunDir, default_run_name
 
-    _quiet_libraries()
+    display.quiet_libraries()
     flags = {"algo.loss": algo, "run.steps": steps, "run.seed": seed, "rollout.group_size": group_size,
              "rollout.prompts": prompts, "optim.lr": lr, "model.device": device,
              "run.tensorboard": "true" if tensorboard else None}
@@ -247,7 +199,7 @@ def train(
         config = run_dir.recipe()
         results = resume.parent  # the run's own results folder holds its base
     else:
-        config = _recipe_with_flags(recipe, flags, list(set_ or []), *loss_flags)
+        config = load_recipe_with_flags(recipe, flags, list(set_ or []), *loss_flags)
         run_dir = RunDir(results / (name or default_run_name(config)))
 
     from atrctl.train import TrainingStopped, validate_algo
@@ -260,7 +212,7 @@ def train(
     if main_rank:
         run_dir.check_can_start(resume is not None, overwrite)
     if nproc is not None and nproc > 1:
-        raise typer.Exit(distributed.relaunch(nproc, _without_nproc(ctx.obj.argv)))
+        raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
     try:
         if main_rank:
             with display.training_bars(config.algo.loss, config.run.steps, config.warmup.max_steps) as (warm, step):
@@ -288,54 +240,9 @@ def train(
                   f"sampled pass@1 {base['eval/pass@1']:.1%} → {final['eval/pass@1']:.1%}")
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
-    """The command line minus its --nproc option, for the processes torchrun starts."""
-    out, skip = [], False
-    for arg in argv:
-        if skip or arg.startswith("--nproc="):
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
 # --------------------------------------------------------------------- eval
 
 
-def _parse_ks(text: str | None, n: int) -> list[int]:
-    """--k '1,2,4' -> [1, 2, 4] (sorted, distinct), each in [1, n]; None -> 1, 2, 4, ... and n."""
-    from atrctl.passk import default_ks
-
-    if text is None:
-        return default_ks(n)
-    try:
-        ks = sorted({int(part) for part in text.split(",")})
-    except ValueError:
-        raise UserError(f"--k {text!r}: give comma-separated integers, e.g. --k 1,2,4,8") from None
-    if ks[0] < 1 or ks[-1] > n:
-        raise UserError(f"--k {text!r}: every k must be between 1 and --n ({n}); raise --n or drop the larger k")
-    return ks
-
-
-def _task_args(pairs: list[str]) -> dict:
-    """--task-arg key=value pairs, values read as TOML (bare words as strings)."""
-    from atrctl.config import parse_override
-
-    args = {}
-    for pair in pairs:
-        key, sep, _ = pair.partition("=")
-        if not sep or not key.strip() or "." in key:
-            raise UserError(f"--task-arg {pair!r}: write key=value, e.g. --task-arg digits=2")
-        args[key.strip()] = parse_override(f"task.{pair}")[1]
-    return args
-
-
-def _samples_spelled_out(argv: list[str]) -> list[str]:
-    """--n as --samples: torchrun's own parser reads --n as an ambiguous abbreviation of its options."""
-    return ["--samples" if arg == "--n" else "--samples=" + arg[4:] if arg.startswith("--n=") else arg
-            for arg in argv]
 @app.command("eval")
 def eval_command(
     ctx: typer.Context,
@@ -367,7 +274,9 @@ def eval_command(
 
     Under torchrun (or --nproc) each process samples a share of the problems; rank 0 alone writes and prints."""
     from atrctl import display, distributed
+    from atrctl.config import parse_task_args
     from atrctl.evaluation import eval_target, run_evaluation
+    from atrctl.passk import parse_ks
 
     if n < 1:
         raise UserError(f"--n must be at least 1 (got {n}); e.g. --n 256")
@@ -380,15 +289,15 @@ def eval_command(
     if nproc is not None and (nproc < 1 or distributed.world_size() > 1):
         raise UserError(f"--nproc {nproc}: give a count >= 1, and only outside torchrun (which sets its own)")
     _positive(temperature, "--temperature")
-    ks = _parse_ks(k, n)
-    spec = eval_target(target, task, _task_args(task_arg or []), max_new_tokens, out)
+    ks = parse_ks(k, n)
+    spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out)
     if (spec.directory / "passk.csv").exists() and not overwrite:
         raise UserError(f"{spec.directory} already holds an evaluation; pass --overwrite to replace it "
                         f"or --out elsewhere")
     if nproc is not None and nproc > 1:
-        raise typer.Exit(distributed.relaunch(nproc, _samples_spelled_out(_without_nproc(ctx.obj.argv))))
+        raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
 
-    _quiet_libraries()
+    display.quiet_libraries()
     settings = dict(split=split, problems=problems, n=n, ks=ks, temperature=temperature, seed=seed, device=device,
                     batch_size=batch_size)
     if not distributed.is_main():
@@ -430,12 +339,12 @@ def compare(
     from atrctl.compare import plan_comparison, run_comparison
     from atrctl.config import load_recipe
 
-    _quiet_libraries()
+    display.quiet_libraries()
     config = load_recipe(recipe, ([f"run.steps={steps}"] if steps is not None else []) + list(set_ or []))
     comparison = plan_comparison(arms, seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=config,
                                  max_kl3=max_kl3, eps=eps, eps_high=eps_high, name=name, overwrite=overwrite,
                                  results=results)
-    command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj.argv])
+    command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
     try:
         with display.phase_bars() as advance:
             rows, ks = run_comparison(comparison, n=n, problems=problems, jobs=jobs, results=results,
@@ -450,16 +359,9 @@ def compare(
 # --------------------------------------------------------------------- entry
 
 
-class Invocation:
-    """The command line as typed (after `atrctl`), handed to the commands that record or relaunch it."""
-
-    def __init__(self, argv: list[str]):
-        self.argv = list(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; bad input becomes one line on stderr and exit code 2, never a traceback."""
-    invocation = Invocation(sys.argv[1:] if argv is None else argv)
+    invocation = list(sys.argv[1:] if argv is None else argv)  # as typed, for reports and relaunches
     try:
         code = app(args=argv, prog_name="atrctl", standalone_mode=False, obj=invocation)
     except UserError as error:

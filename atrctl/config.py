@@ -365,3 +365,31 @@ def load_recipe(path: str | Path | None = None, overrides: typing.Sequence[str] 
         keys, value = parse_override(assignment)
         _merge(data, keys, value)
     return recipe_from_dict(data)
+
+
+def load_recipe_with_flags(path: str | Path | None, flags: dict[str, Any], sets: typing.Sequence[str],
+                           max_kl3: float | None = None, eps: float | None = None,
+                           eps_high: float | None = None) -> Recipe:
+    """`load_recipe` with a command's flags applied after the file and before its --set overrides (flags
+    that are None are not given); --max-kl3 / --eps / --eps-high become parameters of whichever loss the
+    recipe ends up with (`losses.flag_parameters`)."""
+    from atrctl.losses import POLICY_LOSSES, flag_parameters
+
+    common = [f"{key}={value}" for key, value in flags.items() if value is not None]
+    loss = load_recipe(path, [*common, *sets]).algo.loss
+    if loss in POLICY_LOSSES:
+        loss_args = flag_parameters(loss, max_kl3, eps, eps_high)
+    else:  # an unknown loss is refused by validate_algo with the list of registered ones
+        loss_args = {k: v for k, v in (("max_kl3", max_kl3), ("eps", eps), ("eps_high", eps_high)) if v is not None}
+    return load_recipe(path, [*common, *(f"algo.args.{key}={value}" for key, value in loss_args.items()), *sets])
+
+
+def parse_task_args(pairs: typing.Sequence[str]) -> dict[str, Any]:
+    """--task-arg key=value pairs, values read as TOML (bare words as strings)."""
+    args = {}
+    for pair in pairs:
+        key, sep, _ = pair.partition("=")
+        if not sep or not key.strip() or "." in key:
+            raise UserError(f"--task-arg {pair!r}: write key=value, e.g. --task-arg digits=2")
+        args[key.strip()] = parse_override(f"task.{pair}")[1]
+    return args

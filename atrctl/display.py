@@ -18,6 +18,14 @@ console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes 
 stderr = Console(stderr=True)
 
 
+def quiet_libraries() -> None:
+    """Our progress display is the only one: silence transformers' and the hub's tqdm bars."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 # ------------------------------------------------------------------ tables
 
 

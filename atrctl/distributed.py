@@ -137,5 +137,19 @@ def sum_gradients(parameters) -> None:
 def relaunch(nproc: int, argv: list[str]) -> int:
     """Run `atrctl <argv>` in `nproc` processes under torchrun; its exit code."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "atrctl", *argv]
+               "-m", "atrctl", *torchrun_argv(argv)]
     return subprocess.run(command, check=False).returncode
+
+
+def torchrun_argv(argv: list[str]) -> list[str]:
+    """The command line for the processes torchrun starts: without its --nproc option, and with --n spelt
+    --samples (torchrun's own parser reads --n as an ambiguous abbreviation of its options)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--nproc="):
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        else:
+            out.append("--samples" if arg == "--n" else "--samples=" + arg[4:] if arg.startswith("--n=") else arg)
+    return out

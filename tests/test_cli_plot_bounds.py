@@ -95,6 +95,7 @@ def test_help_lists_commands_and_version(capsys):
     assert capsys.readouterr().out.strip() == f"atrctl {__version__}"
 
 
+@pytest.mark.slow
 def test_help_and_plot_bounds_do_not_import_heavy_libraries(tmp_path):
     code = (
         "import sys; from atrctl.cli import main; "

@@ -70,6 +70,7 @@ def compare_args(results, *extra):
             "--results", str(results), *sets, *extra]
 
 
+@pytest.mark.slow
 def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys):
     assert main(compare_args(tmp_path)) == 0
     directory = tmp_path / "compare-grpo-atr"

@@ -144,6 +144,7 @@ def single(results):
     return directory
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_only_rank_zero_writes(results, single):
     done = torchrun("--name", "ddp", "--results", str(results), *cli_sets(*DDP))
     directory = results / "ddp"
@@ -158,6 +159,7 @@ def test_two_processes_match_one_and_only_rank_zero_writes(results, single):
     assert done.stdout.count("done:") == 1  # only rank 0 reports
 
 
+@pytest.mark.slow
 def test_a_run_resumes_at_another_world_size(results, single):
     directory = results / "resumed"
 
@@ -172,6 +174,7 @@ def test_a_run_resumes_at_another_world_size(results, single):
     assert_same_weights(weights(single), weights(directory))
 
 
+@pytest.mark.slow
 def test_nproc_relaunches_under_torchrun(results, single):
     env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "atrctl", "train", "--nproc", "2", "--name", "nproc",

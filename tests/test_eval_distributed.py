@@ -125,6 +125,7 @@ def assert_same_evaluation(ours, single):
     assert without_seconds(ours / "passk.md") == without_seconds(single / "passk.md")  # avg@n, greedy too
 
 
+@pytest.mark.slow
 def test_torchrun_eval_matches_one_process_and_only_rank_zero_writes(model_dir, single, tmp_path):
     frame = pd.read_csv(single / "passk.csv")
     assert (frame["pass@k"] > 0).all() and (frame["maj@k"] > 0).any()
@@ -137,6 +138,7 @@ def test_torchrun_eval_matches_one_process_and_only_rank_zero_writes(model_dir, 
     assert done.stdout.count("wrote ") == 1 and done.stdout.count("pass@k:") == 1  # rank 0 alone reports
 
 
+@pytest.mark.slow
 def test_nproc_relaunches_under_torchrun(model_dir, single, tmp_path):
     out = tmp_path / "eval"
     done = run("-m", "atrctl", "eval", str(model_dir), *FLAGS, "--out", str(out), "--nproc", "2")

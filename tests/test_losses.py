@@ -397,6 +397,7 @@ def test_extreme_ratios_empty_masks_and_zero_advantages_stay_finite(algo):
     assert metrics["ratio/min"] == pytest.approx(math.exp(-LOG_RATIO_LIMIT), rel=1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("algo", list(POLICY_LOSSES))
 def test_cuda_matches_cpu(algo):
