@@ -46,7 +46,7 @@ def eval_target(target: str, task: str | None = None, task_args: dict | None = N
     run = RunDir(Path(target).expanduser())
     if run.is_run:
         recipe = run.recipe()
-        if not run.finished:
+        if not run.finished:  # evaluation needs the final model
             raise UserError(f"run {run.path} has no final model in {run.model}: finish (or resume) its training")
         name, args = (task, task_args) if task else (recipe.task.name, {**recipe.task.args, **task_args})
         return EvalTarget(str(run.model), name, args, recipe.task.chat_template,

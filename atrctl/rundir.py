@@ -8,8 +8,8 @@
     <run>/summary.json    {"base": ...} from the start, then the final figures
     <run>/tensorboard/    event files when asked for
 
-A run is *finished* once its final model is saved and the summary says "final"; it is *evaluated* once
-eval/passk.csv exists (written last of the three).  docs/design.md §5 has the meaning of every file.
+A run is *finished* once model/ exists: it is renamed into place after the final summary is written, so
+nothing else needs checking; it is *evaluated* once eval/passk.csv exists (written last of the three).  docs/design.md §5 has the meaning of every file.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class RunDir:
 
     @property
     def finished(self) -> bool:
-        """Training completed: the final model is saved and the summary holds the final figures."""
-        return self.model.is_dir() and "final" in self.read_summary()
+        """Training completed (`finish` puts model/ in place last)."""
+        return self.model.is_dir()
 
     @property
     def evaluated(self) -> bool:
@@ -147,12 +147,14 @@ class RunDir:
     def write_summary(self, summary: dict) -> None:
         atomic.write_text(self.summary, json.dumps(summary, indent=2) + "\n")
 
-    def save_model(self, model, tokenizer) -> None:
-        """The final model in Hugging Face format, staged beside model/ and renamed into place."""
+    def finish(self, model, tokenizer, summary: dict) -> None:
+        """The final model in Hugging Face format and the final summary: the model is staged, the summary
+        written, and only then is the model renamed into place, so model/ marks a finished run."""
         staging = self.path / ".model.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        self.write_summary(summary)
         shutil.rmtree(self.model, ignore_errors=True)
         staging.rename(self.model)
 

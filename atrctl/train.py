@@ -133,13 +133,12 @@ def _train(recipe: Recipe, run_dir: RunDir, results: Path, resume: bool, overwri
 
 
 def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dict:
-    """Save the final model in Hugging Face format and write the headline figures."""
-    run.run_dir.save_model(run.model, run.tokenizer)
+    """Save the final model in Hugging Face format with the headline figures."""
     summary = {"base": base_eval, "final": run.run_dir.last_eval(), "steps": state.step,
                "skipped_steps": state.skipped_steps, "algo": run.recipe.algo.loss, "algo_args": run.recipe.algo.args,
                "task": run.recipe.task.name, "seed": run.recipe.run.seed,
                "train_seconds_this_session": round(seconds, 1)}
-    run.run_dir.write_summary(summary)
+    run.run_dir.finish(run.model, run.tokenizer, summary)
     return summary
 
 

@@ -65,14 +65,22 @@ def test_finished_and_evaluated(tmp_path):
     tokenizer = build_char_tokenizer()
     run.write_summary({"base": {"eval/greedy": 0.1}})
     assert run.read_summary() == {"base": {"eval/greedy": 0.1}} and not run.finished
-    run.save_model(build_model("tiny", tokenizer), tokenizer)
+    run.finish(build_model("tiny", tokenizer), tokenizer, {"base": {}, "final": {"eval/greedy": 0.2}})
     assert (run.model / "config.json").is_file() and not (tmp_path / ".model.tmp").exists()
-    assert not run.finished  # a model without final figures: the run stopped between the two writes
-    run.write_summary({"base": {}, "final": {}})
-    assert run.finished and not run.evaluated
+    assert run.finished and run.read_summary()["final"] == {"eval/greedy": 0.2} and not run.evaluated
     run.eval.mkdir()
     (run.eval / "passk.csv").write_text("k\n")
     assert run.evaluated
+
+
+def test_the_model_appears_after_the_summary(tmp_path, monkeypatch):
+    """A crash while finishing leaves no model/: the run is not taken for finished (resume finishes it)."""
+    run = RunDir(tmp_path)
+    tokenizer = build_char_tokenizer()
+    monkeypatch.setattr(RunDir, "write_summary", lambda self, summary: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        run.finish(build_model("tiny", tokenizer), tokenizer, {"final": {}})
+    assert not run.model.exists() and not run.finished
 
 
 def test_starting_a_run_never_clobbers_one(tmp_path):
