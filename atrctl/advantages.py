@@ -33,11 +33,7 @@ def _rloo(rewards: Tensor) -> Tensor:
     return (rewards - rewards.mean(dim=1, keepdim=True)) * (group / (group - 1))
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
-    "grpo": _grpo,
-    "drgrpo": _drgrpo,
-    "rloo": _rloo,
-}
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"grpo": _grpo, "drgrpo": _drgrpo, "rloo": _rloo}
 
 
 def group_advantages(rewards, estimator: str = "grpo") -> tuple[Tensor, float]:

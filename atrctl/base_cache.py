@@ -30,8 +30,11 @@ def resolved_task_args(name: str, args: dict) -> dict:
     from atrctl.tasks import TASKS
 
     signature = inspect.signature(TASKS[name]) if name in TASKS else None
-    defaults = {key: p.default for key, p in signature.parameters.items()
-                if p.default is not inspect.Parameter.empty} if signature else {}
+    defaults = (
+        {key: p.default for key, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
+        if signature
+        else {}
+    )
     return {**defaults, **args}
 
 
@@ -60,8 +63,11 @@ def read_base_info(path: str | Path) -> dict | None:
     return json.loads(info.read_text()) if info.is_file() else None
 
 
-def ensure_base(recipe: Recipe, results: str | Path = "results",
-                on_progress: Callable[[int, float, float | None], None] | None = None) -> tuple[Path | str, dict]:
+def ensure_base(
+    recipe: Recipe,
+    results: str | Path = "results",
+    on_progress: Callable[[int, float, float | None], None] | None = None,
+) -> tuple[Path | str, dict]:
     """(model location, info): the cached warm base of a preset, built first if missing; else the model as named.
 
     A new base is written to a temporary directory and renamed into place, so an interrupted warm-up
@@ -90,8 +96,13 @@ def ensure_base(recipe: Recipe, results: str | Path = "results",
     try:
         model.to("cpu").save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        info = {"identity": base_identity(recipe), "accuracy": result.accuracy, "steps": result.steps,
-                "seconds": round(result.seconds, 2), "history": result.history}
+        info = {
+            "identity": base_identity(recipe),
+            "accuracy": result.accuracy,
+            "steps": result.steps,
+            "seconds": round(result.seconds, 2),
+            "history": result.history,
+        }
         atomic.write_text(staging / "base.json", json.dumps(info, indent=2) + "\n")
         os.chmod(staging, 0o755)
         os.rename(staging, target)

@@ -39,31 +39,47 @@ def bounds_figure(max_kl3s: Sequence[float], eps: float) -> Figure:
         low, high = kl3_bounds(delta)
         ax_div.axvspan(low, high, color="tab:red", alpha=alpha, lw=0)
         ax_div.axhline(delta, color="black", lw=0.8, ls=":")
-        ax_div.annotate(f"δ={delta:g}: atr [{low:.3f}, {high:.3f}]", (2.95, delta), ha="right", va="bottom",
-                        fontsize=8)
+        ax_div.annotate(f"δ={delta:g}: atr [{low:.3f}, {high:.3f}]", (2.95, delta), ha="right", va="bottom", fontsize=8)
         for _, _, name, colour in CURVES[1:]:
             ends = [v for v in trust_region(name, delta=delta) if 0 < v < 3]
             ax_div.plot(ends, [delta] * len(ends), "o", color=colour, ms=5)
     ax_div.axvline(1.0, color="black", lw=0.5)
     ax_div.set_ylim(0, max(2.5 * deltas[-1], 1.5 * eps))
     ax_div.set_xlim(0, 3)
-    ax_div.set(xlabel="ratio w = π_θ / π_old", ylabel="D(w)",
-               title="(a) divergence of one token; shaded: KL3 region kl3 ≤ δ")
+    ax_div.set(
+        xlabel="ratio w = π_θ / π_old", ylabel="D(w)", title="(a) divergence of one token; shaded: KL3 region kl3 ≤ δ"
+    )
     ax_div.legend(loc="upper center", fontsize=8)
 
     # (b) the clipped surrogate min(wA, clip(w)A) for both signs of A
     w = np.linspace(0.0, 2.5, 1000)
     grpo = trust_region("grpo", eps=eps)
     for advantage, style in ((1.0, "-"), (-1.0, "--")):
-        ax_sur.plot(w, _clipped_surrogate(w, advantage, *grpo), color=GRPO_COLOUR, ls=style, lw=1.5,
-                    label=f"grpo ε={eps:g}, A={advantage:+g}")
+        ax_sur.plot(
+            w,
+            _clipped_surrogate(w, advantage, *grpo),
+            color=GRPO_COLOUR,
+            ls=style,
+            lw=1.5,
+            label=f"grpo ε={eps:g}, A={advantage:+g}",
+        )
         for delta in deltas:
             bounds = kl3_bounds(delta)
-            ax_sur.plot(w, _clipped_surrogate(w, advantage, *bounds), color="tab:red", ls=style, lw=2,
-                        alpha=0.5 + 0.5 * (delta == deltas[-1]), label=f"atr δ={delta:g}, A={advantage:+g}")
+            ax_sur.plot(
+                w,
+                _clipped_surrogate(w, advantage, *bounds),
+                color="tab:red",
+                ls=style,
+                lw=2,
+                alpha=0.5 + 0.5 * (delta == deltas[-1]),
+                label=f"atr δ={delta:g}, A={advantage:+g}",
+            )
     ax_sur.axvline(1.0, color="black", lw=0.5)
-    ax_sur.set(xlabel="ratio w", ylabel="surrogate  min(w·A, clip(w)·A)",
-               title="(b) flat = clipped, zero gradient: atr lets w rise further")
+    ax_sur.set(
+        xlabel="ratio w",
+        ylabel="surrogate  min(w·A, clip(w)·A)",
+        title="(b) flat = clipped, zero gradient: atr lets w rise further",
+    )
     ax_sur.legend(fontsize=8, loc="lower left")
 
     # (c) the bounds as functions of delta
@@ -80,8 +96,7 @@ def bounds_figure(max_kl3s: Sequence[float], eps: float) -> Figure:
         ax_delta.plot([delta, delta], [low, high], "o-", color="black", ms=4, lw=0.8)
     ax_delta.axhline(1.0, color="black", lw=0.5)
     ax_delta.set_xscale("log")
-    ax_delta.set(xlabel="max_kl3 δ (log scale)", ylabel="ratio bound",
-                 title="(c) KL3 bounds against δ")
+    ax_delta.set(xlabel="max_kl3 δ (log scale)", ylabel="ratio bound", title="(c) KL3 bounds against δ")
     ax_delta.legend(fontsize=8, loc="upper left")
 
     shown = ", ".join(f"{d:g}" for d in deltas)

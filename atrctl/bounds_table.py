@@ -75,8 +75,7 @@ def sweep_rows(deltas: Sequence[float] = SWEEP_DELTAS) -> list[RegionRow]:
     return [region_row("atr", max_kl3=delta) for delta in deltas]
 
 
-CSV_COLUMNS = ("table", "method", "setting", "low", "high", "eps_low", "eps_high", "log_low", "log_high",
-               "trl", "verl")
+CSV_COLUMNS = ("table", "method", "setting", "low", "high", "eps_low", "eps_high", "log_low", "log_high", "trl", "verl")
 
 
 def to_csv(methods: Sequence[RegionRow], sweep: Sequence[RegionRow]) -> str:
@@ -86,13 +85,15 @@ def to_csv(methods: Sequence[RegionRow], sweep: Sequence[RegionRow]) -> str:
     writer.writerow(CSV_COLUMNS)
     for table, rows in (("methods", methods), ("sweep", sweep)):
         for row in rows:
-            writer.writerow([table] + [repr(v) if isinstance(v, float) else v
-                                       for v in (getattr(row, c) for c in CSV_COLUMNS[1:])])
+            writer.writerow(
+                [table] + [repr(v) if isinstance(v, float) else v for v in (getattr(row, c) for c in CSV_COLUMNS[1:])]
+            )
     return out.getvalue()
 
 
-def write_bounds(figure_path: Path, max_kl3s: Sequence[float], eps: float, methods: Sequence[RegionRow],
-                 sweep: Sequence[RegionRow]) -> Path:
+def write_bounds(
+    figure_path: Path, max_kl3s: Sequence[float], eps: float, methods: Sequence[RegionRow], sweep: Sequence[RegionRow]
+) -> Path:
     """The figure (format from its suffix) and, beside it, both tables as CSV, each replaced atomically."""
     from atrctl import atomic
     from atrctl.bounds_plot import bounds_figure

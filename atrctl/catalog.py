@@ -27,8 +27,10 @@ def _parameters(params: dict) -> str:
 
 
 def _task_parameters(factory) -> dict:
-    return {p.name: (None if p.default is inspect.Parameter.empty else p.default)
-            for p in inspect.signature(factory).parameters.values()}
+    return {
+        p.name: (None if p.default is inspect.Parameter.empty else p.default)
+        for p in inspect.signature(factory).parameters.values()
+    }
 
 
 def _recipe_summary(path: Path) -> str:
@@ -47,8 +49,15 @@ def sections(recipes: Path = RECIPES) -> list[Section]:
     def region_doc(name: str) -> str:
         return _summary(TRUST_REGIONS[name])
 
-    losses = [(name, _parameters(loss_parameters(name)), loss_objective(name),
-               region_doc(name) if name in TRUST_REGIONS else _summary(loss)) for name, loss in POLICY_LOSSES.items()]
+    losses = [
+        (
+            name,
+            _parameters(loss_parameters(name)),
+            loss_objective(name),
+            region_doc(name) if name in TRUST_REGIONS else _summary(loss),
+        )
+        for name, loss in POLICY_LOSSES.items()
+    ]
     regions = []
     for name in TRUST_REGIONS:
         low, high = trust_region(name)
@@ -56,18 +65,36 @@ def sections(recipes: Path = RECIPES) -> list[Section]:
     shipped = sorted(recipes.glob("*.toml")) if recipes.is_dir() else []
     return [
         Section("policy losses (algo.loss, algo.args)", ("name", "parameters", "objective", "what"), losses),
-        Section("trust regions (constant ratio intervals; each is also a loss)",
-                ("name", "parameters", "interval at defaults", "what"), regions),
-        Section("divergence measures (algo.args.measure of the divergence loss)", ("name", "what"),
-                [(name, _summary(fn)) for name, fn in MEASURES.items()]),
-        Section("advantage estimators (algo.advantage)", ("name", "what"),
-                [(name, _summary(fn)) for name, fn in ADVANTAGE_ESTIMATORS.items()]),
-        Section("aggregations (algo.agg)", ("name", "what"),
-                [(name, _summary(entry.reduce)) for name, entry in AGGREGATIONS.items()]),
-        Section("KL-to-reference estimators (algo.kl_estimator, with algo.beta > 0)", ("name", "what"),
-                [(name, _summary(fn)) for name, fn in KL_ESTIMATORS.items()]),
-        Section("tasks (task.name, task.args)", ("name", "parameters", "what"),
-                [(name, _parameters(_task_parameters(factory)), _summary(factory)) for name, factory in TASKS.items()]),
+        Section(
+            "trust regions (constant ratio intervals; each is also a loss)",
+            ("name", "parameters", "interval at defaults", "what"),
+            regions,
+        ),
+        Section(
+            "divergence measures (algo.args.measure of the divergence loss)",
+            ("name", "what"),
+            [(name, _summary(fn)) for name, fn in MEASURES.items()],
+        ),
+        Section(
+            "advantage estimators (algo.advantage)",
+            ("name", "what"),
+            [(name, _summary(fn)) for name, fn in ADVANTAGE_ESTIMATORS.items()],
+        ),
+        Section(
+            "aggregations (algo.agg)",
+            ("name", "what"),
+            [(name, _summary(entry.reduce)) for name, entry in AGGREGATIONS.items()],
+        ),
+        Section(
+            "KL-to-reference estimators (algo.kl_estimator, with algo.beta > 0)",
+            ("name", "what"),
+            [(name, _summary(fn)) for name, fn in KL_ESTIMATORS.items()],
+        ),
+        Section(
+            "tasks (task.name, task.args)",
+            ("name", "parameters", "what"),
+            [(name, _parameters(_task_parameters(factory)), _summary(factory)) for name, factory in TASKS.items()],
+        ),
         Section("rollout backends (rollout.backend)", ("name", "implementation"), list(ROLLOUT_BACKENDS.items())),
         Section(f"recipes ({recipes})", ("file", "what"), [(path.name, _recipe_summary(path)) for path in shipped]),
     ]

@@ -89,8 +89,10 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:  # a checkpoint of another model: never resume from half of it
         names = ", ".join((missing or unexpected)[:3])
-        raise UserError(f"checkpoint {directory} does not match the model ({'missing' if missing else 'unexpected'} "
-                        f"weights: {names}); resume with the recipe the run was started with")
+        raise UserError(
+            f"checkpoint {directory} does not match the model ({'missing' if missing else 'unexpected'} "
+            f"weights: {names}); resume with the recipe the run was started with"
+        )
     optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
     return TrainState(**json.loads((directory / "state.json").read_text()))
 

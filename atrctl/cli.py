@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -64,6 +65,13 @@ def _unit_open(value: float, flag: str) -> float:
     if not (math.isfinite(value) and 0 < value < 1):
         raise UserError(f"{flag} must be in the open interval (0, 1) (got {value}); e.g. {flag} 0.2")
     return value
+
+
+def _check_nproc(nproc: int | None) -> None:
+    from atrctl import distributed
+
+    if nproc is not None and (nproc < 1 or distributed.world_size() > 1):
+        raise UserError(f"--nproc {nproc}: give a count >= 1, and only outside torchrun (which sets its own)")
 
 
 # -------------------------------------------------------------- plot-bounds
@@ -125,6 +133,7 @@ RecipeOption = Annotated[Path | None, typer.Option("--recipe", help="TOML recipe
 SetOption = Annotated[
     list[str] | None, typer.Option("--set", help="Override any recipe key: section.key=value (repeatable).")
 ]
+ResultsOption = Annotated[Path, typer.Option(help="Results folder.")]
 NprocOption = Annotated[
     int | None, typer.Option(help="Data-parallel processes: relaunches itself under torchrun \\[default: 1].")
 ]
@@ -146,12 +155,16 @@ def warmup(
     display.quiet_libraries()
     config = load_recipe(recipe, list(set_ or []) + ([f"warmup.seed={seed}"] if seed is not None else []))
     if config.model.base not in PRESETS:
-        raise UserError(f"model.base '{config.model.base}' is not a preset ({', '.join(PRESETS)}): "
-                        "real models are used as they are, without a warm-up")
+        raise UserError(
+            f"model.base '{config.model.base}' is not a preset ({', '.join(PRESETS)}): "
+            "real models are used as they are, without a warm-up"
+        )
     with display.warmup_bar(config.warmup.max_steps) as on_progress:
         path, info = ensure_base(config, results, on_progress)
-    console.print(f"base {base_key(config)}: held-out greedy accuracy {info['accuracy']:.1%} "
-                  f"after {info['steps']} steps in {info['seconds']:.1f} s  →  {path}")
+    console.print(
+        f"base {base_key(config)}: held-out greedy accuracy {info['accuracy']:.1%} "
+        f"after {info['steps']} steps in {info['seconds']:.1f} s  →  {path}"
+    )
 
 
 # -------------------------------------------------------------------- train
@@ -162,11 +175,17 @@ def train(
     ctx: typer.Context,
     algo: Annotated[str | None, typer.Option(help="Policy loss \\[default: atr]; `atrctl ls` lists them.")] = None,
     max_kl3: Annotated[float | None, typer.Option(help=f"ATR-GRPO's KL3 level δ \\[default: {MAX_KL3}].")] = None,
-    eps: Annotated[float | None, typer.Option(help=f"Clip ε of grpo (ε_low of dapo/gspo/cispo) \\[default: {EPS}].")] = None,
+    eps: Annotated[
+        float | None, typer.Option(help=f"Clip ε of grpo (ε_low of dapo/gspo/cispo) \\[default: {EPS}].")
+    ] = None,
     eps_high: Annotated[float | None, typer.Option(help="Upper clip ε_high of dapo/gspo/cispo.")] = None,
     steps: Annotated[int | None, typer.Option(help=f"RL steps \\[default: {RunConfig.steps}].")] = None,
-    seed: Annotated[int | None, typer.Option(help=f"Seed of prompt order and sampling \\[default: {RunConfig.seed}].")] = None,
-    group_size: Annotated[int | None, typer.Option(help=f"Completions per prompt G \\[default: {RolloutConfig.group_size}].")] = None,
+    seed: Annotated[
+        int | None, typer.Option(help=f"Seed of prompt order and sampling \\[default: {RunConfig.seed}].")
+    ] = None,
+    group_size: Annotated[
+        int | None, typer.Option(help=f"Completions per prompt G \\[default: {RolloutConfig.group_size}].")
+    ] = None,
     prompts: Annotated[int | None, typer.Option(help=f"Prompts per step \\[default: {RolloutConfig.prompts}].")] = None,
     lr: Annotated[float | None, typer.Option(help=f"Learning rate \\[default: {OptimConfig.lr:g}].")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda \\[default: auto].")] = None,
@@ -178,7 +197,7 @@ def train(
     resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory from its checkpoint.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory of the same name.")] = False,
     tensorboard: Annotated[bool, typer.Option(help="Also write TensorBoard event files.")] = False,
-    results: Annotated[Path, typer.Option(help="Results folder.")] = Path("results"),
+    results: ResultsOption = Path("results"),
     nproc: NprocOption = None,
 ) -> None:
     """Train a policy with GRPO, ATR-GRPO or another registered loss."""
@@ -187,9 +206,16 @@ def train(
     from atrctl.rundir import RunDir, default_run_name
 
     display.quiet_libraries()
-    flags = {"algo.loss": algo, "run.steps": steps, "run.seed": seed, "rollout.group_size": group_size,
-             "rollout.prompts": prompts, "optim.lr": lr, "model.device": device,
-             "run.tensorboard": "true" if tensorboard else None}
+    flags = {
+        "algo.loss": algo,
+        "run.steps": steps,
+        "run.seed": seed,
+        "rollout.group_size": group_size,
+        "rollout.prompts": prompts,
+        "optim.lr": lr,
+        "model.device": device,
+        "run.tensorboard": "true" if tensorboard else None,
+    }
     loss_flags = (max_kl3, eps, eps_high)
     if resume is not None:
         given = any(v is not None for v in (*flags.values(), *loss_flags)) or set_ or recipe or name or overwrite
@@ -205,22 +231,26 @@ def train(
     from atrctl.train import TrainingStopped, validate_algo
     from atrctl.train import train as run_training
 
-    if nproc is not None and (nproc < 1 or distributed.world_size() > 1):
-        raise UserError(f"--nproc {nproc}: give a count >= 1, and only outside torchrun (which sets its own)")
+    _check_nproc(nproc)
     validate_algo(config, nproc)
     main_rank = distributed.is_main()
     if main_rank:
         run_dir.check_can_start(resume is not None, overwrite)
     if nproc is not None and nproc > 1:
         raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
+    # under torchrun only rank 0 shows and reports; the others train silently
+    shown = display.training_bars(config.algo.loss, config.run.steps, config.warmup.max_steps)
     try:
-        if main_rank:
-            with display.training_bars(config.algo.loss, config.run.steps, config.warmup.max_steps) as (warm, step):
-                summary = run_training(config, run_dir.path, results=results, resume=resume is not None,
-                                       overwrite=overwrite, on_step=step, on_warmup=warm)
-        else:  # under torchrun only rank 0 shows and reports; the others train silently
-            run_training(config, run_dir.path, results=results, resume=resume is not None, overwrite=overwrite)
-            return
+        with shown if main_rank else nullcontext((None, None)) as (on_warmup, on_step):
+            summary = run_training(
+                config,
+                run_dir.path,
+                results=results,
+                resume=resume is not None,
+                overwrite=overwrite,
+                on_step=on_step,
+                on_warmup=on_warmup,
+            )
     except KeyboardInterrupt:
         from atrctl.checkpoint import find_checkpoint
 
@@ -235,9 +265,13 @@ def train(
         if main_rank:
             stderr.print(f"error: {error}", markup=False)
         raise typer.Exit(1) from None
+    if summary is None:  # a rank other than 0
+        return
     base, final = summary["base"], summary["final"]
-    console.print(f"done: {run_dir.path}  held-out greedy {base['eval/greedy']:.1%} → {final['eval/greedy']:.1%}, "
-                  f"sampled pass@1 {base['eval/pass@1']:.1%} → {final['eval/pass@1']:.1%}")
+    console.print(
+        f"done: {run_dir.path}  held-out greedy {base['eval/greedy']:.1%} → {final['eval/greedy']:.1%}, "
+        f"sampled pass@1 {base['eval/pass@1']:.1%} → {final['eval/pass@1']:.1%}"
+    )
 
 
 # --------------------------------------------------------------------- eval
@@ -278,33 +312,42 @@ def eval_command(
     from atrctl.evaluation import eval_target, run_evaluation
     from atrctl.passk import parse_ks
 
-    if n < 1:
-        raise UserError(f"--n must be at least 1 (got {n}); e.g. --n 256")
-    if problems < 1:
-        raise UserError(f"--problems must be at least 1 (got {problems}); e.g. --problems 200")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
-    if nproc is not None and (nproc < 1 or distributed.world_size() > 1):
-        raise UserError(f"--nproc {nproc}: give a count >= 1, and only outside torchrun (which sets its own)")
+    for value, flag, example in (
+        (n, "--n", 256),
+        (problems, "--problems", 200),
+        (max_new_tokens, "--max-new-tokens", 0),
+        (batch_size, "--batch-size", 0),
+    ):
+        if value is not None and value < 1:
+            hint = f"; e.g. {flag} {example}" if example else ""
+            raise UserError(f"{flag} must be at least 1 (got {value}){hint}")
+    _check_nproc(nproc)
     _positive(temperature, "--temperature")
     ks = parse_ks(k, n)
     spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out)
     if (spec.directory / "passk.csv").exists() and not overwrite:
-        raise UserError(f"{spec.directory} already holds an evaluation; pass --overwrite to replace it "
-                        f"or --out elsewhere")
+        raise UserError(
+            f"{spec.directory} already holds an evaluation; pass --overwrite to replace it or --out elsewhere"
+        )
     if nproc is not None and nproc > 1:
         raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
 
     display.quiet_libraries()
-    settings = dict(split=split, problems=problems, n=n, ks=ks, temperature=temperature, seed=seed, device=device,
-                    batch_size=batch_size)
-    if not distributed.is_main():
-        run_evaluation(spec, target, **settings)
+    settings = dict(
+        split=split,
+        problems=problems,
+        n=n,
+        ks=ks,
+        temperature=temperature,
+        seed=seed,
+        device=device,
+        batch_size=batch_size,
+    )
+    with display.sampling_bar(problems) if distributed.is_main() else nullcontext() as on_progress:
+        done = run_evaluation(spec, target, **settings, on_progress=on_progress)
+    if done is None:  # a rank other than 0: rank 0 prints
         return
-    with display.sampling_bar(problems) as on_progress:
-        result, setting, paths = run_evaluation(spec, target, **settings, on_progress=on_progress)
+    result, setting, paths = done
     console.print(display.passk_table(result.summary(ks), ks, f"pass@k: {setting}"))
     console.print("wrote " + ", ".join(str(p) for p in paths))
 
@@ -317,7 +360,9 @@ def compare(
     ctx: typer.Context,
     arms: Annotated[list[str], typer.Argument(help="Losses to train (e.g. grpo atr) or finished run directories.")],
     seeds: Annotated[int, typer.Option(help="Training seeds per arm (0 … seeds-1).")] = 4,
-    steps: Annotated[int | None, typer.Option(help=f"RL steps per run \\[default: the recipe's, {RunConfig.steps}].")] = None,
+    steps: Annotated[
+        int | None, typer.Option(help=f"RL steps per run \\[default: the recipe's, {RunConfig.steps}].")
+    ] = None,
     n: Annotated[int, typer.Option("--n", help="Samples per held-out problem for pass@k.")] = 256,
     problems: Annotated[int, typer.Option(help="Held-out problems, the same for every arm.")] = 500,
     jobs: Annotated[int, typer.Option(help="Training runs in parallel (one CPU thread each when > 1).")] = 2,
@@ -325,12 +370,14 @@ def compare(
     eps: Annotated[
         float | None, typer.Option(help=f"ε of every arm that has one (grpo's eps, dapo's eps_low) \\[default: {EPS}].")
     ] = None,
-    eps_high: Annotated[float | None, typer.Option(help=f"ε_high of the arms that have one \\[default: {EPS_HIGH}].")] = None,
+    eps_high: Annotated[
+        float | None, typer.Option(help=f"ε_high of the arms that have one \\[default: {EPS_HIGH}].")
+    ] = None,
     name: Annotated[str | None, typer.Option(help="results/compare-<name>/ \\[default: the arms joined by -].")] = None,
     recipe: RecipeOption = None,
     set_: SetOption = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing comparison of the same name.")] = False,
-    results: Annotated[Path, typer.Option(help="Results folder.")] = Path("results"),
+    results: ResultsOption = Path("results"),
 ) -> None:
     """Train and evaluate several algorithms side by side (e.g. `atrctl compare grpo atr`)."""
     import shlex
@@ -341,14 +388,26 @@ def compare(
 
     display.quiet_libraries()
     config = load_recipe(recipe, ([f"run.steps={steps}"] if steps is not None else []) + list(set_ or []))
-    comparison = plan_comparison(arms, seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=config,
-                                 max_kl3=max_kl3, eps=eps, eps_high=eps_high, name=name, overwrite=overwrite,
-                                 results=results)
+    comparison = plan_comparison(
+        arms,
+        seeds=seeds,
+        n=n,
+        problems=problems,
+        jobs=jobs,
+        recipe=config,
+        max_kl3=max_kl3,
+        eps=eps,
+        eps_high=eps_high,
+        name=name,
+        overwrite=overwrite,
+        results=results,
+    )
     command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
     try:
         with display.phase_bars() as advance:
-            rows, ks = run_comparison(comparison, n=n, problems=problems, jobs=jobs, results=results,
-                                      command=command, advance=advance)
+            rows, ks = run_comparison(
+                comparison, n=n, problems=problems, jobs=jobs, results=results, command=command, advance=advance
+            )
     except KeyboardInterrupt:
         stderr.print(f"interrupted: rerun the same command to resume the runs in {comparison.directory}")
         raise typer.Exit(130) from None
@@ -368,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         stderr.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except typer.TyperException as error:  # typer's own parse errors (it vendors click)
-        stderr.print(f"error: {error.format_message()} (see `atrctl --help`)", markup=False, highlight=False,
-                     soft_wrap=True)
+        stderr.print(
+            f"error: {error.format_message()} (see `atrctl --help`)", markup=False, highlight=False, soft_wrap=True
+        )
         return error.exit_code
     except typer.Abort:
         stderr.print("aborted", markup=False)

@@ -54,8 +54,10 @@ def parse_arms(names: Sequence[str]) -> list[Arm]:
         elif RunDir(path).is_run and RunDir(path).finished:
             arms.append(Arm(label=path.name, run_dir=path))
         else:
-            raise UserError(f"unknown arm '{name}': give a loss ({', '.join(POLICY_LOSSES)}) "
-                            "or a finished run directory such as results/<run>")
+            raise UserError(
+                f"unknown arm '{name}': give a loss ({', '.join(POLICY_LOSSES)}) "
+                "or a finished run directory such as results/<run>"
+            )
     labels = [arm.label for arm in arms]
     if len(set(labels)) != len(labels):
         raise UserError(f"arms must differ; got {', '.join(labels)}")
@@ -98,8 +100,18 @@ def training_jobs(arms: Sequence[Arm], seeds: int, recipes: dict[str, Path], run
             if RunDir(directory).checkpoint.is_dir():
                 command = [*base, "--resume", str(directory)]
             else:
-                command = [*base, "--recipe", str(recipes[arm.label]), "--seed", str(seed), "--name",
-                           directory.name, "--results", str(runs), "--overwrite"]
+                command = [
+                    *base,
+                    "--recipe",
+                    str(recipes[arm.label]),
+                    "--seed",
+                    str(seed),
+                    "--name",
+                    directory.name,
+                    "--results",
+                    str(runs),
+                    "--overwrite",
+                ]
             jobs.append(Job(arm, seed, directory, command, runs / f"{directory.name}.log"))
     return jobs
 
@@ -124,8 +136,10 @@ def run_jobs(jobs: Sequence[Job], parallel: int, on_progress: Callable[[int], No
                 running.remove(job)
                 if job.process.returncode != 0:
                     tail = job.log.read_text().strip().splitlines()[-1:] or ["(no output)"]
-                    raise UserError(f"training {job.directory.name} failed ({tail[0].strip()}); "
-                                    f"full log: {job.log}; rerun the same command to resume")
+                    raise UserError(
+                        f"training {job.directory.name} failed ({tail[0].strip()}); "
+                        f"full log: {job.log}; rerun the same command to resume"
+                    )
             if on_progress is not None:
                 on_progress(sum(RunDir(job.directory).steps_logged() for job in jobs))
     finally:
@@ -149,8 +163,12 @@ class Comparison:
     loss_args: dict[str, dict]
 
     def record(self) -> dict:
-        return {"arms": [arm.label for arm in self.arms], "seeds": self.seeds, "loss_args": self.loss_args,
-                "recipe": recipe_to_dict(self.recipe)}
+        return {
+            "arms": [arm.label for arm in self.arms],
+            "seeds": self.seeds,
+            "loss_args": self.loss_args,
+            "recipe": recipe_to_dict(self.recipe),
+        }
 
 
 def prepare(comparison: Comparison, overwrite: bool) -> None:
@@ -161,8 +179,10 @@ def prepare(comparison: Comparison, overwrite: bool) -> None:
         if _same_record(json.loads(marker.read_text()), json.loads(json.dumps(record))):
             return  # the same comparison: finished runs are kept, interrupted ones resume
         if not overwrite:
-            raise UserError(f"{comparison.directory} holds a different comparison; pick another --name "
-                            "or pass --overwrite to replace it")
+            raise UserError(
+                f"{comparison.directory} holds a different comparison; pick another --name "
+                "or pass --overwrite to replace it"
+            )
     elif comparison.directory.exists() and any(comparison.directory.iterdir()) and not overwrite:
         raise UserError(f"{comparison.directory} already exists; pick another --name or pass --overwrite")
     if overwrite and comparison.directory.exists():
@@ -199,15 +219,18 @@ def write_arm_recipes(comparison: Comparison, base: str) -> dict[str, Path]:
 def arm_runs(comparison: Comparison) -> dict[str, list[Path]]:
     """Each arm's run directories, seed by seed."""
     runs = comparison.directory / "runs"
-    return {arm.label: [arm.run_dir] if arm.run_dir else [runs / f"{arm.label}-s{s}" for s in range(comparison.seeds)]
-            for arm in comparison.arms}
+    return {
+        arm.label: [arm.run_dir] if arm.run_dir else [runs / f"{arm.label}-s{s}" for s in range(comparison.seeds)]
+        for arm in comparison.arms
+    }
 
 
 # ------------------------------------------------------------------ evaluation and report
 
 
-def evaluate_arms(comparison: Comparison, n: int, problems: int,
-                  on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, list]:
+def evaluate_arms(
+    comparison: Comparison, n: int, problems: int, on_progress: Callable[[str, int, int], None] | None = None
+) -> dict[str, list]:
     """Every final model on the same held-out problems, with the same n and sampling seed."""
     from atrctl.evaluation import eval_target, evaluate_target
     from atrctl.tasks import get_task
@@ -220,20 +243,32 @@ def evaluate_arms(comparison: Comparison, n: int, problems: int,
         for directory in directories:
             spec = eval_target(str(directory))
             if (spec.task, spec.task_args) != (recipe.task.name, recipe.task.args):
-                raise UserError(f"{directory} was trained on task {spec.task} {spec.task_args}, "
-                                f"not {recipe.task.name} {recipe.task.args}: compare runs of one task")
-            results[label].append(evaluate_target(
-                spec, held_out, n=n, temperature=recipe.eval.temperature, seed=recipe.eval.seed,
-                device=recipe.model.device, on_progress=None if on_progress is None else
-                (lambda done, total, name=directory.name: on_progress(name, done, total))))
+                raise UserError(
+                    f"{directory} was trained on task {spec.task} {spec.task_args}, "
+                    f"not {recipe.task.name} {recipe.task.args}: compare runs of one task"
+                )
+            results[label].append(
+                evaluate_target(
+                    spec,
+                    held_out,
+                    n=n,
+                    temperature=recipe.eval.temperature,
+                    seed=recipe.eval.seed,
+                    device=recipe.model.device,
+                    on_progress=None
+                    if on_progress is None
+                    else (lambda done, total, name=directory.name: on_progress(name, done, total)),
+                )
+            )
     return results
 
 
 # ------------------------------------------------------------------ the pipeline
 
 
-def arm_loss_args(arms: Sequence[Arm], max_kl3: float | None, eps: float | None,
-                  eps_high: float | None) -> dict[str, dict]:
+def arm_loss_args(
+    arms: Sequence[Arm], max_kl3: float | None, eps: float | None, eps_high: float | None
+) -> dict[str, dict]:
     """The shared --max-kl3 / --eps / --eps-high flags as the parameters of each trained arm that takes them."""
     from atrctl.losses import flag_parameters, loss_parameters
 
@@ -247,9 +282,21 @@ def arm_loss_args(arms: Sequence[Arm], max_kl3: float | None, eps: float | None,
     return args
 
 
-def plan_comparison(arm_names: Sequence[str], *, seeds: int, n: int, problems: int, jobs: int, recipe: Recipe,
-                    max_kl3: float | None, eps: float | None, eps_high: float | None, name: str | None,
-                    overwrite: bool, results: Path) -> Comparison:
+def plan_comparison(
+    arm_names: Sequence[str],
+    *,
+    seeds: int,
+    n: int,
+    problems: int,
+    jobs: int,
+    recipe: Recipe,
+    max_kl3: float | None,
+    eps: float | None,
+    eps_high: float | None,
+    name: str | None,
+    overwrite: bool,
+    results: Path,
+) -> Comparison:
     """Check every input, then create (or reopen) the comparison directory: nothing is written before."""
     from atrctl.train import validate_algo
 
@@ -261,14 +308,23 @@ def plan_comparison(arm_names: Sequence[str], *, seeds: int, n: int, problems: i
     for arm in arms:
         if arm.loss is not None:
             validate_algo(arm_recipe(recipe, arm, recipe.model.base, loss_args))
-    comparison = Comparison(results / f"compare-{name or '-'.join(a.label for a in arms)}", arms, seeds, recipe,
-                            loss_args)
+    comparison = Comparison(
+        results / f"compare-{name or '-'.join(a.label for a in arms)}", arms, seeds, recipe, loss_args
+    )
     prepare(comparison, overwrite)
     return comparison
 
 
-def run_comparison(comparison: Comparison, *, n: int, problems: int, jobs: int, results: Path, command: str,
-                   advance: Progress | None = None) -> tuple[list[dict], list[int]]:
+def run_comparison(
+    comparison: Comparison,
+    *,
+    n: int,
+    problems: int,
+    jobs: int,
+    results: Path,
+    command: str,
+    advance: Progress | None = None,
+) -> tuple[list[dict], list[int]]:
     """Warm up (or reuse) the base, train every (arm, seed), evaluate every final model and write the report.
 
     Returns the table rows and the k's.  Every part resumes: finished runs are kept, interrupted ones
@@ -289,23 +345,32 @@ def run_comparison(comparison: Comparison, *, n: int, problems: int, jobs: int, 
 
     recipe, started, seconds = comparison.recipe, time.perf_counter(), {}
     phase = time.perf_counter()
-    base, _ = ensure_base(recipe, results, lambda step, loss, acc: show(
-        "warmup", "warm-up base", step, recipe.warmup.max_steps, f"loss {loss:.3f}"))
+    base, _ = ensure_base(
+        recipe,
+        results,
+        lambda step, loss, acc: show("warmup", "warm-up base", step, recipe.warmup.max_steps, f"loss {loss:.3f}"),
+    )
     base = str(Path(base).resolve()) if isinstance(base, Path) else base
     seconds["base (warm-up or cache)"] = time.perf_counter() - phase
 
     phase = time.perf_counter()
-    job_list = training_jobs(comparison.arms, comparison.seeds, write_arm_recipes(comparison, base),
-                             comparison.directory / "runs")
+    job_list = training_jobs(
+        comparison.arms, comparison.seeds, write_arm_recipes(comparison, base), comparison.directory / "runs"
+    )
     total_steps, reused = len(job_list) * recipe.run.steps, sum(job.finished for job in job_list)
-    run_jobs(job_list, jobs, lambda done: show("train", f"train {len(job_list)} runs", done, total_steps,
-                                               f"{jobs} at a time"))
-    seconds[f"training ({len(job_list)} runs, {jobs} at a time; {reused} reused from before)"] = \
+    run_jobs(
+        job_list,
+        jobs,
+        lambda done: show("train", f"train {len(job_list)} runs", done, total_steps, f"{jobs} at a time"),
+    )
+    seconds[f"training ({len(job_list)} runs, {jobs} at a time; {reused} reused from before)"] = (
         time.perf_counter() - phase
+    )
 
     phase = time.perf_counter()
-    evaluations = evaluate_arms(comparison, n, problems, lambda run, done, total: show(
-        f"eval {run}", f"eval {run}", done, total, f"n = {n}"))
+    evaluations = evaluate_arms(
+        comparison, n, problems, lambda run, done, total: show(f"eval {run}", f"eval {run}", done, total, f"n = {n}")
+    )
     seconds["evaluation (wall)"] = time.perf_counter() - phase
 
     ks = default_ks(n)
@@ -317,7 +382,15 @@ def run_comparison(comparison: Comparison, *, n: int, problems: int, jobs: int, 
     trains_atr = any(arm.loss == "atr" for arm in comparison.arms)
     deltas = [float(comparison.loss_args.get("atr", {}).get("max_kl3", atr_default)) if trains_atr else atr_default]
     rows = write_report(
-        comparison.directory, arm_runs(comparison), evaluations, ks, command=command,
-        recipe_toml=to_toml(recipe_to_dict(recipe)), environment=environment(resolve_device(recipe.model.device)),
-        deltas=deltas, eps=float(comparison.loss_args.get("grpo", {}).get("eps", grpo_default)), seconds=seconds)
+        comparison.directory,
+        arm_runs(comparison),
+        evaluations,
+        ks,
+        command=command,
+        recipe_toml=to_toml(recipe_to_dict(recipe)),
+        environment=environment(resolve_device(recipe.model.device)),
+        deltas=deltas,
+        eps=float(comparison.loss_args.get("grpo", {}).get("eps", grpo_default)),
+        seconds=seconds,
+    )
     return rows, ks

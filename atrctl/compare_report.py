@@ -20,13 +20,16 @@ from atrctl.rundir import RunDir
 SMOOTHING = 10
 LEVEL = 0.95
 RESAMPLES = 2000
-TRAINING_PANELS = (("reward/mean", "reward (mean of the batch)"), ("entropy", "entropy (nats/token)"),
-                   ("kl3/mean", "kl3/mean: KL(π_old‖π_θ) per token"), ("clip/low", "clip/low: w<l, A<0"),
-                   ("clip/high", "clip/high: w>u, A>0"))
+TRAINING_PANELS = (
+    ("reward/mean", "reward (mean of the batch)"),
+    ("entropy", "entropy (nats/token)"),
+    ("kl3/mean", "kl3/mean: KL(π_old‖π_θ) per token"),
+    ("clip/low", "clip/low: w<l, A<0"),
+    ("clip/high", "clip/high: w>u, A>0"),
+)
 
 
-def two_level_bootstrap(arrays: Sequence[np.ndarray], resamples: int = RESAMPLES,
-                        seed: int = 0) -> np.ndarray:
+def two_level_bootstrap(arrays: Sequence[np.ndarray], resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
     """Bootstrap means of several [seeds, problems] arrays: [resamples, arms].
 
     Each resample draws one set of problem indices shared by all arms (paired) and, per arm, its seeds.
@@ -121,9 +124,19 @@ def save_figure(figure, path: Path) -> None:
         figure.savefig(tmp, format="png", dpi=120)
 
 
-def write_report(directory: Path, runs: dict[str, list[Path]], results: dict[str, list], ks: Sequence[int], *,
-                 command: str, recipe_toml: str, environment: dict[str, str], deltas: Sequence[float],
-                 eps: float, seconds: dict[str, float]) -> list[dict]:
+def write_report(
+    directory: Path,
+    runs: dict[str, list[Path]],
+    results: dict[str, list],
+    ks: Sequence[int],
+    *,
+    command: str,
+    recipe_toml: str,
+    environment: dict[str, str],
+    deltas: Sequence[float],
+    eps: float,
+    seconds: dict[str, float],
+) -> list[dict]:
     """passk.csv / passk.md / passk.png / training.png / bounds.png / report.md in `directory`; returns the rows."""
     import pandas as pd
 
@@ -136,8 +149,16 @@ def write_report(directory: Path, runs: dict[str, list[Path]], results: dict[str
     table = table_markdown(rows, metrics)
     atomic.write_text(directory / "passk.md", table)
     arm_rows = rows[: len(results)]
-    curves = [(row["row"], list(ks), [row[f"pass@{k}"] for k in ks], [row[f"pass@{k} low"] for k in ks],
-               [row[f"pass@{k} high"] for k in ks]) for row in arm_rows]
+    curves = [
+        (
+            row["row"],
+            list(ks),
+            [row[f"pass@{k}"] for k in ks],
+            [row[f"pass@{k} low"] for k in ks],
+            [row[f"pass@{k} high"] for k in ks],
+        )
+        for row in arm_rows
+    ]
     n = next(iter(results.values()))[0].n
     problems = len(next(iter(results.values()))[0].correct)
     title = f"pass@k: {problems} held-out problems, n = {n}\nmean over seeds, {LEVEL:.0%} CI (problems and seeds)"
@@ -145,14 +166,17 @@ def write_report(directory: Path, runs: dict[str, list[Path]], results: dict[str
     save_figure(training_figure(runs), directory / "training.png")
     save_figure(bounds_figure(deltas or [0.1], eps), directory / "bounds.png")
 
-    starred = [row["row"] for row in rows[len(results):] if any(row.get(f"{m} excludes_0") for m in metrics)]
+    starred = [row["row"] for row in rows[len(results) :] if any(row.get(f"{m} excludes_0") for m in metrics)]
     seeds = {row["seeds"] for row in arm_rows}
-    verdict = (f"Differences whose {LEVEL:.0%} interval excludes 0 (★): {', '.join(starred)}." if starred else
-               f"No difference between arms is larger than its {LEVEL:.0%} uncertainty.")
+    verdict = (
+        f"Differences whose {LEVEL:.0%} interval excludes 0 (★): {', '.join(starred)}."
+        if starred
+        else f"No difference between arms is larger than its {LEVEL:.0%} uncertainty."
+    )
     single_seed_note = " — with a single seed they reflect problem noise only" if seeds == {1} else ""
     timing = "\n".join(f"| {name} | {value:.1f} |" for name, value in seconds.items())
     versions = "\n".join(f"- {key}: {value}" for key, value in environment.items())
-    report = f"""# Comparison: {' vs '.join(results)}
+    report = f"""# Comparison: {" vs ".join(results)}
 
 ```
 {command}

@@ -197,6 +197,7 @@ class Recipe:
 
 # --------------------------------------------------------------- validation
 
+
 def _registry(module: str, name: str):
     """A registry read when a recipe is checked (not copied at import), so a newly registered entry is valid
     at once; imported lazily because the loss and rollout registries bring torch."""
@@ -217,14 +218,33 @@ _CHOICES = {
     ("optim", "schedule"): lambda: ("constant", "cosine"),
 }
 _POSITIVE = {
-    ("warmup", "max_steps"), ("warmup", "batch_size"), ("warmup", "lr"), ("warmup", "eval_every"),
-    ("warmup", "eval_problems"), ("rollout", "prompts"), ("rollout", "max_new_tokens"),
-    ("rollout", "temperature"), ("algo", "num_iterations"), ("algo", "minibatches"), ("optim", "lr"),
-    ("optim", "grad_clip"), ("eval", "every"), ("eval", "problems"), ("eval", "samples"),
-    ("eval", "temperature"), ("run", "steps"), ("run", "checkpoint_every"), ("run", "max_bad_steps"),
+    ("warmup", "max_steps"),
+    ("warmup", "batch_size"),
+    ("warmup", "lr"),
+    ("warmup", "eval_every"),
+    ("warmup", "eval_problems"),
+    ("rollout", "prompts"),
+    ("rollout", "max_new_tokens"),
+    ("rollout", "temperature"),
+    ("algo", "num_iterations"),
+    ("algo", "minibatches"),
+    ("optim", "lr"),
+    ("optim", "grad_clip"),
+    ("eval", "every"),
+    ("eval", "problems"),
+    ("eval", "samples"),
+    ("eval", "temperature"),
+    ("run", "steps"),
+    ("run", "checkpoint_every"),
+    ("run", "max_bad_steps"),
 }
-_NON_NEGATIVE = {("algo", "beta"), ("optim", "weight_decay"), ("optim", "warmup_steps"), ("algo", "micro_batch"),
-                 ("rollout", "sample_batch")}
+_NON_NEGATIVE = {
+    ("algo", "beta"),
+    ("optim", "weight_decay"),
+    ("optim", "warmup_steps"),
+    ("algo", "micro_batch"),
+    ("rollout", "sample_batch"),
+}
 _FRACTIONS = {("warmup", "target_accuracy"), ("rollout", "top_p")}
 
 
@@ -367,9 +387,14 @@ def load_recipe(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return recipe_from_dict(data)
 
 
-def load_recipe_with_flags(path: str | Path | None, flags: dict[str, Any], sets: typing.Sequence[str],
-                           max_kl3: float | None = None, eps: float | None = None,
-                           eps_high: float | None = None) -> Recipe:
+def load_recipe_with_flags(
+    path: str | Path | None,
+    flags: dict[str, Any],
+    sets: typing.Sequence[str],
+    max_kl3: float | None = None,
+    eps: float | None = None,
+    eps_high: float | None = None,
+) -> Recipe:
     """`load_recipe` with a command's flags applied after the file and before its --set overrides (flags
     that are None are not given); --max-kl3 / --eps / --eps-high become parameters of whichever loss the
     recipe ends up with (`losses.flag_parameters`)."""

@@ -35,9 +35,17 @@ def methods_table(rows) -> Table:
     for column in ("method", "setting", "l", "u", "1 − l", "u − 1", "ln l", "ln u", "TRL / verl settings"):
         table.add_column(column, justify="left" if column in ("method", "setting") else "right")
     for row in rows:
-        table.add_row(row.method, row.setting, f"{row.low:.6f}", f"{row.high:.6f}", f"{row.eps_low:.4f}",
-                      f"{row.eps_high:.4f}", f"{row.log_low:.4f}", f"{row.log_high:.4f}",
-                      f"{row.eps_low:.6g} / {row.eps_high:.6g}")
+        table.add_row(
+            row.method,
+            row.setting,
+            f"{row.low:.6f}",
+            f"{row.high:.6f}",
+            f"{row.eps_low:.4f}",
+            f"{row.eps_high:.4f}",
+            f"{row.log_low:.4f}",
+            f"{row.log_high:.4f}",
+            f"{row.eps_low:.6g} / {row.eps_high:.6g}",
+        )
     return table
 
 
@@ -46,15 +54,23 @@ def sweep_table(rows) -> Table:
     for column in ("max_kl3 δ", "l", "u", "eps_low = 1 − l", "eps_high = u − 1", "(u − 1) / (1 − l)"):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(row.setting.split("=")[1], f"{row.low:.6f}", f"{row.high:.6f}", f"{row.eps_low:.6f}",
-                      f"{row.eps_high:.6f}", f"{row.eps_high / row.eps_low:.3f}")
+        table.add_row(
+            row.setting.split("=")[1],
+            f"{row.low:.6f}",
+            f"{row.high:.6f}",
+            f"{row.eps_low:.6f}",
+            f"{row.eps_high:.6f}",
+            f"{row.eps_high / row.eps_low:.3f}",
+        )
     return table
 
 
 def passk_table(summary: dict, ks: Sequence[int], title: str) -> Table:
     table = Table(title=escape(title))
-    table.caption = (f"avg@n {summary['avg@n']:.4f}  greedy {summary['greedy']:.4f}  seed {summary['seed']}  "
-                     f"{summary['seconds']:.1f} s")
+    table.caption = (
+        f"avg@n {summary['avg@n']:.4f}  greedy {summary['greedy']:.4f}  seed {summary['seed']}  "
+        f"{summary['seconds']:.1f} s"
+    )
     for column in ("k", "pass@k", "95% CI", "maj@k"):
         table.add_column(column, justify="right")
     for k in ks:
@@ -71,8 +87,11 @@ def compare_table(rows: list[dict], ks: Sequence[int]) -> Table:
     for metric in metrics:
         table.add_column(metric, justify="right")
     for row in rows:
-        cells = [f"{row[m]:.3f} \\[{row[m + ' low']:.3f}, {row[m + ' high']:.3f}]"
-                 + (" ★" if row.get(f"{m} excludes_0") else "") for m in metrics]
+        cells = [
+            f"{row[m]:.3f} \\[{row[m + ' low']:.3f}, {row[m + ' high']:.3f}]"
+            + (" ★" if row.get(f"{m} excludes_0") else "")
+            for m in metrics
+        ]
         table.add_row(row["row"], str(row["seeds"]), *cells)
     return table
 
@@ -93,8 +112,13 @@ def catalog_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[st
 @contextmanager
 def warmup_bar(max_steps: int) -> Iterator[Callable[[int, float, float | None], None]]:
     """A bar for `atrctl warmup`; yields on_progress(step, loss, held-out accuracy or None)."""
-    columns = (TextColumn("warm-up"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("warm-up"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("warm-up", total=max_steps, status="")
         shown = {"accuracy": "–"}
@@ -112,8 +136,13 @@ def training_bars(loss: str, steps: int, warmup_steps: int):
     """Live bars for a training run (the warm-up one only if a base is built); yields (on_warmup, on_step).
 
     A run stopped by bad input before any bar showed leaves the terminal as it was."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         bars: dict[str, int] = {}  # created when that phase starts: a cached base shows no warm-up bar
 
@@ -126,9 +155,11 @@ def training_bars(loss: str, steps: int, warmup_steps: int):
         def on_step(record: dict) -> None:
             if "train" not in bars:
                 bars["train"] = progress.add_task(f"train {loss}", total=steps, status="")
-            status = (f"reward {record['reward/mean']:.3f}  clip low {record.get('clip/low', 0):.3f} "
-                      f"high {record.get('clip/high', 0):.3f}  kl3 {record.get('kl3/mean', 0):.2e}  "
-                      f"entropy {record.get('entropy', 0):.3f}  {record['tokens_per_s']:.0f} tok/s")
+            status = (
+                f"reward {record['reward/mean']:.3f}  clip low {record.get('clip/low', 0):.3f} "
+                f"high {record.get('clip/high', 0):.3f}  kl3 {record.get('kl3/mean', 0):.2e}  "
+                f"entropy {record.get('entropy', 0):.3f}  {record['tokens_per_s']:.0f} tok/s"
+            )
             if "eval/greedy" in record:
                 status += f"  eval greedy {record['eval/greedy']:.1%} pass@1 {record['eval/pass@1']:.1%}"
             progress.update(bars["train"], completed=record["step"], status=status)
@@ -145,8 +176,7 @@ def training_bars(loss: str, steps: int, warmup_steps: int):
 @contextmanager
 def sampling_bar(total: int) -> Iterator[Callable[[int, int], None]]:
     """A bar over problems sampled; yields on_progress(done, total) (total: this process's share)."""
-    columns = (TextColumn("sampling"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
-               TimeRemainingColumn())
+    columns = (TextColumn("sampling"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("sampling", total=total)
         yield lambda done, share: progress.update(bar, completed=done, total=share)
@@ -156,8 +186,13 @@ def sampling_bar(total: int) -> Iterator[Callable[[int, int], None]]:
 def phase_bars() -> Iterator[Callable[[str, str, int, int, str], None]]:
     """One bar per phase of a long pipeline, each made on its first report; yields
     advance(key, description, done, total, note)."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console) as progress:
         bars: dict[str, int] = {}
 

@@ -136,8 +136,16 @@ def sum_gradients(parameters) -> None:
 
 def relaunch(nproc: int, argv: list[str]) -> int:
     """Run `atrctl <argv>` in `nproc` processes under torchrun; its exit code."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "atrctl", *torchrun_argv(argv)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "atrctl",
+        *torchrun_argv(argv),
+    ]
     return subprocess.run(command, check=False).returncode
 
 

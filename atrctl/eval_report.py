@@ -19,16 +19,19 @@ Curve = tuple[str, Sequence[int], Sequence[float], Sequence[float], Sequence[flo
 def passk_frame(result: EvalResult, ks: Sequence[int]) -> pd.DataFrame:
     """One row per k: pass@k, its 95% bootstrap interval over problems, and maj@k."""
     summary = result.summary(ks)
-    rows = [(k, summary[f"pass@{k}"], summary[f"pass@{k}/low"], summary[f"pass@{k}/high"], summary[f"maj@{k}"])
-            for k in ks]
+    rows = [
+        (k, summary[f"pass@{k}"], summary[f"pass@{k}/low"], summary[f"pass@{k}/high"], summary[f"maj@{k}"]) for k in ks
+    ]
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
 def passk_markdown(result: EvalResult, frame: pd.DataFrame, title: str) -> str:
     """The table plus the settings that produced it, readable as it is and rendered on GitHub."""
     lines = [f"# {title}", "", "| k | pass@k | 95% CI | maj@k |", "|---:|---:|---:|---:|"]
-    lines += [f"| {int(k)} | {mean:.4f} | [{low:.4f}, {high:.4f}] | {majority:.4f} |"
-              for k, mean, low, high, majority in frame[list(COLUMNS)].itertuples(index=False, name=None)]
+    lines += [
+        f"| {int(k)} | {mean:.4f} | [{low:.4f}, {high:.4f}] | {majority:.4f} |"
+        for k, mean, low, high, majority in frame[list(COLUMNS)].itertuples(index=False, name=None)
+    ]
     lines += [
         "",
         f"- avg@n: {avg_at_n(result.rewards):.4f}",

@@ -36,8 +36,13 @@ class EvalTarget:
     directory: Path  # where its evaluation files go
 
 
-def eval_target(target: str, task: str | None = None, task_args: dict | None = None,
-                max_new_tokens: int | None = None, out: Path | None = None) -> EvalTarget:
+def eval_target(
+    target: str,
+    task: str | None = None,
+    task_args: dict | None = None,
+    max_new_tokens: int | None = None,
+    out: Path | None = None,
+) -> EvalTarget:
     """TARGET resolved: a run directory brings its own recipe (task, chat template, lengths, dtype); a model
     directory or hub name needs `task` and `max_new_tokens`."""
     from atrctl.config import EvalConfig
@@ -49,23 +54,48 @@ def eval_target(target: str, task: str | None = None, task_args: dict | None = N
         if not run.finished:  # evaluation needs the final model
             raise UserError(f"run {run.path} has no final model in {run.model}: finish (or resume) its training")
         name, args = (task, task_args) if task else (recipe.task.name, {**recipe.task.args, **task_args})
-        return EvalTarget(str(run.model), name, args, recipe.task.chat_template,
-                          max_new_tokens or recipe.rollout.max_new_tokens, recipe.model.dtype, recipe.eval.seed,
-                          out or run.eval)
+        return EvalTarget(
+            str(run.model),
+            name,
+            args,
+            recipe.task.chat_template,
+            max_new_tokens or recipe.rollout.max_new_tokens,
+            recipe.model.dtype,
+            recipe.eval.seed,
+            out or run.eval,
+        )
     if task is None:
         raise UserError(f"{target} is not a run directory (no config.toml): name its task, e.g. --task arith")
     if max_new_tokens is None:
-        raise UserError(f"{target} is not a run directory: give --max-new-tokens (e.g. 8 for 3-digit arith, "
-                        f"512 for gsm8k) so answers are not silently cut short")
+        raise UserError(
+            f"{target} is not a run directory: give --max-new-tokens (e.g. 8 for 3-digit arith, "
+            f"512 for gsm8k) so answers are not silently cut short"
+        )
     path = run.path
     stem = path.name if path.name != "model" else path.parent.name
-    return EvalTarget(target, task, task_args, False, max_new_tokens, "auto", EvalConfig().seed,
-                      out or Path("results") / f"eval-{stem}")
+    return EvalTarget(
+        target,
+        task,
+        task_args,
+        False,
+        max_new_tokens,
+        "auto",
+        EvalConfig().seed,
+        out or Path("results") / f"eval-{stem}",
+    )
 
 
-def evaluate_target(spec: EvalTarget, problems: Sequence[Problem], *, n: int, temperature: float, seed: int,
-                    device: str, batch_size: int = 1024,
-                    on_progress: Callable[[int, int], None] | None = None) -> EvalResult:
+def evaluate_target(
+    spec: EvalTarget,
+    problems: Sequence[Problem],
+    *,
+    n: int,
+    temperature: float,
+    seed: int,
+    device: str,
+    batch_size: int = 1024,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> EvalResult:
     """Load the target's model and evaluate it on `problems` of its task (the caller picks them, so that
     a comparison gives every arm the same ones)."""
     from atrctl.models import load_model
@@ -73,14 +103,35 @@ def evaluate_target(spec: EvalTarget, problems: Sequence[Problem], *, n: int, te
 
     task = get_task(spec.task, **spec.task_args)
     model, tokenizer = load_model(spec.model, device, spec.dtype)
-    return evaluate_model(model, tokenizer, task, problems, n=n, temperature=temperature, seed=seed,
-                          max_new_tokens=spec.max_new_tokens, chat_template=spec.chat_template,
-                          batch_size=batch_size, on_progress=on_progress)
+    return evaluate_model(
+        model,
+        tokenizer,
+        task,
+        problems,
+        n=n,
+        temperature=temperature,
+        seed=seed,
+        max_new_tokens=spec.max_new_tokens,
+        chat_template=spec.chat_template,
+        batch_size=batch_size,
+        on_progress=on_progress,
+    )
 
 
-def run_evaluation(spec: EvalTarget, target: str, *, split: str, problems: int, n: int, ks: Sequence[int],
-                   temperature: float, seed: int, device: str, batch_size: int,
-                   on_progress: Callable[[int, int], None] | None = None) -> tuple[EvalResult, str, list[Path]] | None:
+def run_evaluation(
+    spec: EvalTarget,
+    target: str,
+    *,
+    split: str,
+    problems: int,
+    n: int,
+    ks: Sequence[int],
+    temperature: float,
+    seed: int,
+    device: str,
+    batch_size: int,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> tuple[EvalResult, str, list[Path]] | None:
     """`atrctl eval`: sample (this process's share of) the problems; rank 0 writes the three files and gets
     (result, a one-line description of the setting, the files), the other ranks None."""
     from atrctl.eval_report import write_eval
@@ -90,8 +141,16 @@ def run_evaluation(spec: EvalTarget, target: str, *, split: str, problems: int, 
     with distributed.process_group(resolve_device(device)):
         picked = get_task(spec.task, **spec.task_args).problems(split, problems, spec.problem_seed)
         set_cpu_threads(distributed.cpu_threads_per_rank())
-        result = evaluate_target(spec, picked, n=n, temperature=temperature, seed=seed, device=device,
-                                 batch_size=batch_size, on_progress=on_progress if distributed.is_main() else None)
+        result = evaluate_target(
+            spec,
+            picked,
+            n=n,
+            temperature=temperature,
+            seed=seed,
+            device=device,
+            batch_size=batch_size,
+            on_progress=on_progress if distributed.is_main() else None,
+        )
         if not distributed.is_main():
             return None
         setting = f"{spec.task} {split}, {len(picked)} problems, n={n}, T={temperature:g}"
@@ -113,9 +172,21 @@ def eval_chunk_seed(seed: int, first: int) -> int:
     return (seed * 1_000_003 + first) % (2**63)
 
 
-def evaluate_model(model, tokenizer, task, problems: Sequence, *, n: int, temperature: float, seed: int,
-                   max_new_tokens: int, chat_template: bool = False, batch_size: int = 1024, backend: str = "hf",
-                   on_progress: Callable[[int, int], None] | None = None) -> EvalResult:
+def evaluate_model(
+    model,
+    tokenizer,
+    task,
+    problems: Sequence,
+    *,
+    n: int,
+    temperature: float,
+    seed: int,
+    max_new_tokens: int,
+    chat_template: bool = False,
+    batch_size: int = 1024,
+    backend: str = "hf",
+    on_progress: Callable[[int, int], None] | None = None,
+) -> EvalResult:
     """A greedy completion and n samples for each problem, scored by the task.
 
     Problems are sampled in chunks of max(1, batch_size // n) whole problems (at most about
@@ -143,9 +214,17 @@ def evaluate_model(model, tokenizer, task, problems: Sequence, *, n: int, temper
     greedy: dict[int, bool] = {}
     blocks = [range(f, min(f + batch_size, len(problems))) for f in range(0, len(problems), batch_size)]
     for block in blocks[rank::world]:
-        scores = sampled_scores(sampler, tokenizer, task, problems[block.start : block.stop],
-                                prompt_ids[block.start : block.stop], samples=1, greedy=True,
-                                max_new_tokens=max_new_tokens, batch_size=batch_size)
+        scores = sampled_scores(
+            sampler,
+            tokenizer,
+            task,
+            problems[block.start : block.stop],
+            prompt_ids[block.start : block.stop],
+            samples=1,
+            greedy=True,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+        )
         greedy.update((i, row[0].reward >= 1) for i, row in zip(block, scores, strict=True))
 
     sampled: dict[int, tuple[list[float], list[str | None]]] = {}
@@ -153,11 +232,21 @@ def evaluate_model(model, tokenizer, task, problems: Sequence, *, n: int, temper
     total = sum(len(chunk) for chunk in mine)
     for chunk in mine:
         generator = torch.Generator(device).manual_seed(eval_chunk_seed(seed, chunk.start))
-        scores = sampled_scores(sampler, tokenizer, task, problems[chunk.start : chunk.stop],
-                                prompt_ids[chunk.start : chunk.stop], samples=n, temperature=temperature,
-                                max_new_tokens=max_new_tokens, generator=generator, batch_size=batch_size)
-        sampled.update((i, ([s.reward for s in row], [s.parsed for s in row]))
-                       for i, row in zip(chunk, scores, strict=True))
+        scores = sampled_scores(
+            sampler,
+            tokenizer,
+            task,
+            problems[chunk.start : chunk.stop],
+            prompt_ids[chunk.start : chunk.stop],
+            samples=n,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            generator=generator,
+            batch_size=batch_size,
+        )
+        sampled.update(
+            (i, ([s.reward for s in row], [s.parsed for s in row])) for i, row in zip(chunk, scores, strict=True)
+        )
         if on_progress is not None:
             on_progress(len(sampled), total)
 

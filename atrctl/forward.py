@@ -60,8 +60,9 @@ def _completion_logits(model: PreTrainedModel, rollout: Rollout, temperature: fl
 
     def single_pass() -> torch.Tensor:
         ids = torch.cat([prompt, completion], dim=1)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                       logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=completion.shape[1] + 1
+        ).logits[:, :-1]
         return logits.float() / temperature
 
     first_rows, counts = _runs(torch.cat([prompt, prompt_mask], dim=1))
@@ -69,15 +70,26 @@ def _completion_logits(model: PreTrainedModel, rollout: Rollout, temperature: fl
         return single_pass()
     width = prompt.shape[1]
     cache = DynamicCache(config=model.config)
-    head = model(input_ids=prompt[first_rows], attention_mask=prompt_mask[first_rows],
-                 position_ids=positions[first_rows, :width], cache=cache, logits_to_keep=1).logits[:, -1]
+    head = model(
+        input_ids=prompt[first_rows],
+        attention_mask=prompt_mask[first_rows],
+        position_ids=positions[first_rows, :width],
+        cache=cache,
+        logits_to_keep=1,
+    ).logits[:, -1]
     owner = torch.repeat_interleave(torch.arange(len(counts), device=prompt.device), counts)
     cache.batch_select_indices(owner)
     logits = [head[owner][:, None]]  # the prompt's last position predicts the first completion token
     if completion.shape[1] > 1:  # completion token t predicts t + 1; the last one predicts nothing
         end = width + completion.shape[1] - 1
-        logits.append(model(input_ids=completion[:, :-1], attention_mask=mask[:, :end],
-                            position_ids=positions[:, width:end], cache=cache).logits)
+        logits.append(
+            model(
+                input_ids=completion[:, :-1],
+                attention_mask=mask[:, :end],
+                position_ids=positions[:, width:end],
+                cache=cache,
+            ).logits
+        )
         if cache.get_seq_length() != end:  # the model ignored the cache (e.g. checkpointing we did not detect)
             return single_pass()
     return torch.cat(logits, dim=1).float() / temperature

@@ -198,21 +198,26 @@ def loss_parameters(name: str) -> dict[str, object]:
     for source in sources:
         for parameter in inspect.signature(source).parameters.values():
             if parameter.kind is inspect.Parameter.KEYWORD_ONLY or (
-                    parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-                    and parameter.default is not inspect.Parameter.empty):
+                parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+                and parameter.default is not inspect.Parameter.empty
+            ):
                 params[parameter.name] = None if parameter.default is inspect.Parameter.empty else parameter.default
     return params
 
 
-def flag_parameters(name: str, max_kl3: float | None = None, eps: float | None = None,
-                    eps_high: float | None = None) -> dict[str, float]:
+def flag_parameters(
+    name: str, max_kl3: float | None = None, eps: float | None = None, eps_high: float | None = None
+) -> dict[str, float]:
     """The CLI's shared flags as parameters of the loss `name`: --max-kl3 is max_kl3 and --eps-high eps_high;
     --eps is the loss's eps, or its eps_low where it has a lower ε and no symmetric one (dapo, gspo, cispo).
     Flags left out (None) are not set."""
     taken = loss_parameters(name)
     eps_name = "eps_low" if "eps_low" in taken and "eps" not in taken else "eps"
-    return {key: value for key, value in (("max_kl3", max_kl3), (eps_name, eps), ("eps_high", eps_high))
-            if value is not None}
+    return {
+        key: value
+        for key, value in (("max_kl3", max_kl3), (eps_name, eps), ("eps_high", eps_high))
+        if value is not None
+    }
 
 
 def loss_objective(name: str) -> str:

@@ -77,8 +77,9 @@ def _bootstrap(per_problem: np.ndarray, resamples: int, seed: int, level: float)
     return float(low), float(high)
 
 
-def bootstrap_ci(values: np.ndarray, *, resamples: int = 2000, seed: int = 0,
-                 level: float = 0.95) -> tuple[float, float]:
+def bootstrap_ci(
+    values: np.ndarray, *, resamples: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
     """Percentile-bootstrap interval of the mean over problems (values [P], or [S, P] for S seeds).
 
     Problems, not samples, are resampled: they are the unit the result should generalise over.
@@ -142,8 +143,13 @@ class EvalResult:
 
     def summary(self, ks: Sequence[int]) -> dict[str, float]:
         """Headline figures: pass@k with its 95% interval (pass@k/low, pass@k/high), maj@k, avg@n, greedy."""
-        out: dict[str, float] = {"n": self.n, "problems": len(self.problem_ids), "temperature": self.temperature,
-                                 "seed": self.seed, "seconds": self.seconds}
+        out: dict[str, float] = {
+            "n": self.n,
+            "problems": len(self.problem_ids),
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "seconds": self.seconds,
+        }
         for k in ks:
             values = self.pass_at(k)
             out[f"pass@{k}"] = float(values.mean())

@@ -60,13 +60,11 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-
 def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
     """Each completion's text, up to (not including) its EOS, without special tokens."""
     lengths = rollout.completion_mask.sum(-1).tolist()
     rows = rollout.completion_ids.tolist()
     return [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths, strict=True)]
-
 
 
 class RolloutBackend(Protocol):
@@ -81,9 +79,17 @@ class RolloutBackend(Protocol):
         update may use them as the ratio's denominator instead of recomputing them."""
         ...
 
-    def generate(self, prompt_ids: list[list[int]], *, repeats: int = 1, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                 generator: torch.Generator | None = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        repeats: int = 1,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
         """`repeats` completions per prompt (rows prompt-major); the same generator state gives the same tokens."""
         ...
 
@@ -93,13 +99,12 @@ class RolloutBackend(Protocol):
 
 
 # name -> "module:Class" of a RolloutBackend, imported when a recipe picks it.
-ROLLOUT_BACKENDS: dict[str, str] = {
-    "hf": "atrctl.sampling:HFSampler",
-}
+ROLLOUT_BACKENDS: dict[str, str] = {"hf": "atrctl.sampling:HFSampler"}
 
 
-def rollout_backend(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                    numerics: Numerics) -> RolloutBackend:
+def rollout_backend(
+    name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: Numerics
+) -> RolloutBackend:
     """The backend registered as `name`, generating with `model`."""
     if name not in ROLLOUT_BACKENDS:
         raise UserError(f"rollout.backend = {name!r} is not registered; use one of {', '.join(ROLLOUT_BACKENDS)}")

@@ -9,7 +9,8 @@
     <run>/tensorboard/    event files when asked for
 
 A run is *finished* once model/ exists: it is renamed into place after the final summary is written, so
-nothing else needs checking; it is *evaluated* once eval/passk.csv exists (written last of the three).  docs/design.md §5 has the meaning of every file.
+nothing else needs checking; it is *evaluated* once eval/passk.csv exists (written last of the three).
+docs/design.md §5 has the meaning of every file.
 """
 
 from __future__ import annotations
@@ -77,11 +78,14 @@ class RunDir:
 
         if resume:
             if find_checkpoint(self.checkpoint) is None:
-                raise UserError(f"{self.path} has no checkpoint to resume; start it anew with the same --name "
-                                f"and --overwrite")
+                raise UserError(
+                    f"{self.path} has no checkpoint to resume; start it anew with the same --name and --overwrite"
+                )
         elif self.path.exists() and any(self.path.iterdir()) and not overwrite:
-            raise UserError(f"run directory {self.path} already exists; pick another --name, "
-                            f"or pass --resume to continue it or --overwrite to replace it")
+            raise UserError(
+                f"run directory {self.path} already exists; pick another --name, "
+                f"or pass --resume to continue it or --overwrite to replace it"
+            )
 
     # ------------------------------------------------------------ config.toml
 
@@ -167,14 +171,21 @@ def environment(device: torch.device) -> dict[str, str]:
     from atrctl import distributed
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).parent).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"atrctl": __version__, "git_commit": commit or "unknown", "torch": torch.__version__,
-            "transformers": transformers.__version__, "device": f"{device} ({name})",
-            "threads": str(torch.get_num_threads()), "processes": str(distributed.world_size())}
+    return {
+        "atrctl": __version__,
+        "git_commit": commit or "unknown",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": f"{device} ({name})",
+        "threads": str(torch.get_num_threads()),
+        "processes": str(distributed.world_size()),
+    }
 
 
 def default_run_name(recipe: Recipe) -> str:

@@ -35,16 +35,33 @@ class HFSampler:
     def load_weights(self, model: PreTrainedModel) -> None:
         self.model = model  # the policy module itself: its new weights are already in place
 
-    def generate(self, prompt_ids: list[list[int]], *, repeats: int = 1, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                 generator: torch.Generator | None = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        repeats: int = 1,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
         was_training = self.model.training
         self.model.eval()  # the KV cache is off in training mode under gradient checkpointing
         try:
             with self.numerics.autocast():
-                return sample(self.model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, greedy=greedy, eos_id=self.eos_id, pad_id=self.pad_id,
-                              generator=generator, repeats=repeats)
+                return sample(
+                    self.model,
+                    prompt_ids,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    greedy=greedy,
+                    eos_id=self.eos_id,
+                    pad_id=self.pad_id,
+                    generator=generator,
+                    repeats=repeats,
+                )
         finally:
             self.model.train(was_training)
 
@@ -169,8 +186,9 @@ def sample(
     cache = preallocated_cache(model, capacity=prompt.shape[1] + max_new_tokens)
     with torch.inference_mode():
         positions = position_ids(distinct_mask)
-        logits = model(input_ids=distinct, attention_mask=distinct_mask, position_ids=positions, cache=cache,
-                       logits_to_keep=1).logits[:, -1]
+        logits = model(
+            input_ids=distinct, attention_mask=distinct_mask, position_ids=positions, cache=cache, logits_to_keep=1
+        ).logits[:, -1]
         if repeats > 1:
             cache.batch_repeat_interleave(repeats)
             positions, logits = positions.repeat_interleave(repeats, dim=0), logits.repeat_interleave(repeats, dim=0)
@@ -185,8 +203,13 @@ def sample(
                 break
             mask = torch.cat([mask, torch.ones_like(done[:, None], dtype=mask.dtype)], dim=-1)
             positions = positions[:, -1:] + 1
-            logits = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                           logits_to_keep=1).logits[:, -1]
+            logits = model(
+                input_ids=tokens[-1][:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                logits_to_keep=1,
+            ).logits[:, -1]
 
     completion_ids = torch.stack(tokens, dim=1)
     is_eos = (completion_ids == eos_id).long()

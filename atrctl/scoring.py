@@ -22,18 +22,35 @@ def encode_prompts(tokenizer, problems: Sequence[Problem], chat_template: bool =
     return [tokenizer(text, add_special_tokens=not chat_template)["input_ids"] for text in texts]
 
 
-def sampled_scores(sampler: RolloutBackend, tokenizer, task: Task, problems: Sequence[Problem],
-                   prompt_ids: Sequence[list[int]], *, samples: int, max_new_tokens: int, temperature: float = 1.0,
-                   top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
-                   batch_size: int = 1024) -> list[list[Score]]:
+def sampled_scores(
+    sampler: RolloutBackend,
+    tokenizer,
+    task: Task,
+    problems: Sequence[Problem],
+    prompt_ids: Sequence[list[int]],
+    *,
+    samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    batch_size: int = 1024,
+) -> list[list[Score]]:
     """`samples` scored completions per problem ([problems][samples]), sampled in batches of whole problems."""
     per_batch = max(1, batch_size // samples)
     scores: list[list[Score]] = []
     for start in range(0, len(problems), per_batch):
         chunk = problems[start : start + per_batch]
-        rollout = sampler.generate(list(prompt_ids[start : start + per_batch]), repeats=samples,
-                                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                   greedy=greedy, generator=generator)
+        rollout = sampler.generate(
+            list(prompt_ids[start : start + per_batch]),
+            repeats=samples,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            greedy=greedy,
+            generator=generator,
+        )
         texts = decode_completions(tokenizer, rollout)
         for i, problem in enumerate(chunk):
             scores.append([task.score(problem, text) for text in texts[i * samples : (i + 1) * samples]])

@@ -47,9 +47,16 @@ class TrainingStopped(Exception):
 # ----------------------------------------------------------------- the loop
 
 
-def train(recipe: Recipe, directory: str | Path, *, results: Path = Path("results"), resume: bool = False,
-          overwrite: bool = False, on_step: Callable[[dict[str, float]], None] | None = None,
-          on_warmup: Callable[[int, float, float | None], None] | None = None) -> dict | None:
+def train(
+    recipe: Recipe,
+    directory: str | Path,
+    *,
+    results: Path = Path("results"),
+    resume: bool = False,
+    overwrite: bool = False,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+    on_warmup: Callable[[int, float, float | None], None] | None = None,
+) -> dict | None:
     """Run (or resume) a training run in `directory`; returns the summary written to summary.json.
 
     Under torchrun every rank trains on its share of each step and only rank 0 writes, evaluates
@@ -63,9 +70,15 @@ def train(recipe: Recipe, directory: str | Path, *, results: Path = Path("result
         return _train(recipe, RunDir(directory), results, resume, overwrite, on_step, on_warmup)
 
 
-def _train(recipe: Recipe, run_dir: RunDir, results: Path, resume: bool, overwrite: bool,
-           on_step: Callable[[dict[str, float]], None] | None,
-           on_warmup: Callable[[int, float, float | None], None] | None) -> dict | None:
+def _train(
+    recipe: Recipe,
+    run_dir: RunDir,
+    results: Path,
+    resume: bool,
+    overwrite: bool,
+    on_step: Callable[[dict[str, float]], None] | None,
+    on_warmup: Callable[[int, float, float | None], None] | None,
+) -> dict | None:
     main = distributed.is_main()
     if main:
         run_dir.check_can_start(resume, overwrite)
@@ -120,7 +133,8 @@ def _train(recipe: Recipe, run_dir: RunDir, results: Path, resume: bool, overwri
                 checkpoint()
                 raise TrainingStopped(
                     f"{state.bad_steps} consecutive steps had a non-finite loss or gradient (at step {state.step}); "
-                    f"the checkpoint in {run_dir.checkpoint} holds the last finite weights: lower optim.lr and resume")
+                    f"the checkpoint in {run_dir.checkpoint} holds the last finite weights: lower optim.lr and resume"
+                )
             if state.step % recipe.run.checkpoint_every == 0 or state.step == recipe.run.steps:
                 checkpoint()
             stopping = distributed.all_max(torch.tensor(float(stop.signal is not None), device=run.device))
@@ -134,10 +148,17 @@ def _train(recipe: Recipe, run_dir: RunDir, results: Path, resume: bool, overwri
 
 def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dict:
     """Save the final model in Hugging Face format with the headline figures."""
-    summary = {"base": base_eval, "final": run.run_dir.last_eval(), "steps": state.step,
-               "skipped_steps": state.skipped_steps, "algo": run.recipe.algo.loss, "algo_args": run.recipe.algo.args,
-               "task": run.recipe.task.name, "seed": run.recipe.run.seed,
-               "train_seconds_this_session": round(seconds, 1)}
+    summary = {
+        "base": base_eval,
+        "final": run.run_dir.last_eval(),
+        "steps": state.step,
+        "skipped_steps": state.skipped_steps,
+        "algo": run.recipe.algo.loss,
+        "algo_args": run.recipe.algo.args,
+        "task": run.recipe.task.name,
+        "seed": run.recipe.run.seed,
+        "train_seconds_this_session": round(seconds, 1),
+    }
     run.run_dir.finish(run.model, run.tokenizer, summary)
     return summary
 
@@ -183,9 +204,16 @@ def rollout_step(run: Run, step: int, clock: Stopwatch | None = None) -> tuple[R
     with clock("rollout"):
         for chunk in sampling_chunks(positions, cfg.group_size, cfg.sample_batch):
             generator = torch.Generator(run.device).manual_seed(rollout_seed(seed, step, chunk[0]))
-            pieces.append(run.sampler.generate([run.pool_ids[picked[p]] for p in chunk], repeats=cfg.group_size,
-                                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                               top_p=cfg.top_p, generator=generator))
+            pieces.append(
+                run.sampler.generate(
+                    [run.pool_ids[picked[p]] for p in chunk],
+                    repeats=cfg.group_size,
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    generator=generator,
+                )
+            )
         rollout = concat_rollouts(pieces, run.tokenizer.pad_token_id)
     with clock("reward"):
         texts = decode_completions(run.tokenizer, rollout)  # row i is completion i % G of problem i // G
@@ -193,8 +221,9 @@ def rollout_step(run: Run, step: int, clock: Stopwatch | None = None) -> tuple[R
     return rollout, torch.tensor(rewards).view(len(problems), cfg.group_size), problems
 
 
-def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int,
-                clock: Stopwatch | None = None) -> tuple[dict[str, float], bool]:
+def update_step(
+    run: Run, rollout: Rollout, advantages: torch.Tensor, step: int, clock: Stopwatch | None = None
+) -> tuple[dict[str, float], bool]:
     """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
     algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch(run.device)
     minibatches = parts(advantages.shape[0], algo.minibatches)  # row slices of whole groups
@@ -225,8 +254,9 @@ def update_step(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int,
     return metrics, finite
 
 
-def _optimiser_step(run: Run, rollout: Rollout, advantages: torch.Tensor, part: slice, old_logp, ref_logp,
-                    on_policy: bool) -> dict[str, float] | None:
+def _optimiser_step(
+    run: Run, rollout: Rollout, advantages: torch.Tensor, part: slice, old_logp, ref_logp, on_policy: bool
+) -> dict[str, float] | None:
     """Accumulate one mini-batch's gradient over micro-batches and ranks, then step; None if skipped.
 
     Each micro-batch's loss is weighted by its normaliser over the mini-batch's (summed over ranks),
@@ -240,14 +270,24 @@ def _optimiser_step(run: Run, rollout: Rollout, advantages: torch.Tensor, part: 
     for where in micro_parts(part, algo.micro_batch):
         sub = rows(rollout, where)  # the micro-batch: every [rows, ...] tensor sliced to `where`
         with run.numerics.autocast():  # logp, entropy: [micro rows, T] float32
-            logp, entropy = completion_logprobs_and_entropy(run.model, sub, cfg.rollout.temperature,
-                                                            entropy_grad=bool(algo.entropy_coef))
+            logp, entropy = completion_logprobs_and_entropy(
+                run.model, sub, cfg.rollout.temperature, entropy_grad=bool(algo.entropy_coef)
+            )
         loss, metrics = policy_loss(
-            logp, logp.detach() if on_policy else old_logp[where], advantages[where], sub.completion_mask,
-            algo=algo.loss, agg=algo.agg, max_new_tokens=cfg.rollout.max_new_tokens,
-            ref_logp=None if ref_logp is None else ref_logp[where], beta=algo.beta,
-            kl_estimator=algo.kl_estimator, entropy=entropy,
-            entropy_coef=algo.entropy_coef, **algo.args)
+            logp,
+            logp.detach() if on_policy else old_logp[where],
+            advantages[where],
+            sub.completion_mask,
+            algo=algo.loss,
+            agg=algo.agg,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            ref_logp=None if ref_logp is None else ref_logp[where],
+            beta=algo.beta,
+            kl_estimator=algo.kl_estimator,
+            entropy=entropy,
+            entropy_coef=algo.entropy_coef,
+            **algo.args,
+        )
         if not torch.isfinite(loss):
             finite = False
             break
@@ -271,12 +311,28 @@ def _logprobs(model: torch.nn.Module, rollout: Rollout, where: list[slice], temp
 def held_out_metrics(run: Run) -> dict[str, float]:
     """Held-out greedy accuracy and sampled pass@1, on the same problems and sample seed every time."""
     cfg = run.recipe.eval
-    greedy = sampled_scores(run.sampler, run.tokenizer, run.task, run.held_out, run.held_out_ids, samples=1,
-                            max_new_tokens=run.recipe.rollout.max_new_tokens, greedy=True)
+    greedy = sampled_scores(
+        run.sampler,
+        run.tokenizer,
+        run.task,
+        run.held_out,
+        run.held_out_ids,
+        samples=1,
+        max_new_tokens=run.recipe.rollout.max_new_tokens,
+        greedy=True,
+    )
     generator = torch.Generator(run.device).manual_seed(cfg.seed)
-    sampled = sampled_scores(run.sampler, run.tokenizer, run.task, run.held_out, run.held_out_ids,
-                             samples=cfg.samples, max_new_tokens=run.recipe.rollout.max_new_tokens,
-                             temperature=cfg.temperature, generator=generator)
+    sampled = sampled_scores(
+        run.sampler,
+        run.tokenizer,
+        run.task,
+        run.held_out,
+        run.held_out_ids,
+        samples=cfg.samples,
+        max_new_tokens=run.recipe.rollout.max_new_tokens,
+        temperature=cfg.temperature,
+        generator=generator,
+    )
     return {"eval/greedy": mean_reward(greedy), "eval/pass@1": mean_reward(sampled)}
 
 
@@ -306,8 +362,12 @@ class Run:
         return self.numerics.device
 
 
-def build_run(recipe: Recipe, directory: str | Path | RunDir, results: Path,
-              on_warmup: Callable[[int, float, float | None], None] | None = None) -> Run:
+def build_run(
+    recipe: Recipe,
+    directory: str | Path | RunDir,
+    results: Path,
+    on_warmup: Callable[[int, float, float | None], None] | None = None,
+) -> Run:
     from atrctl.base_cache import ensure_base
     from atrctl.models import load_model, numerics, set_cpu_threads
     from atrctl.rollout import rollout_backend
@@ -332,12 +392,25 @@ def build_run(recipe: Recipe, directory: str | Path | RunDir, results: Path,
     held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
     chat = recipe.task.chat_template
     # The fused kernel (CPU and CUDA) updates every tensor in one pass: ~6x faster than the per-tensor loop.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay,
-                                  fused=True)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay, fused=True
+    )
     run_dir = directory if isinstance(directory, RunDir) else RunDir(directory)
-    return Run(recipe, run_dir, model, tokenizer, rollout_backend(recipe.rollout.backend, model, tokenizer, compute),
-               compute, task, pool, encode_prompts(tokenizer, pool, chat), held_out,
-               encode_prompts(tokenizer, held_out, chat), optimizer, reference)
+    return Run(
+        recipe,
+        run_dir,
+        model,
+        tokenizer,
+        rollout_backend(recipe.rollout.backend, model, tokenizer, compute),
+        compute,
+        task,
+        pool,
+        encode_prompts(tokenizer, pool, chat),
+        held_out,
+        encode_prompts(tokenizer, held_out, chat),
+        optimizer,
+        reference,
+    )
 
 
 def validate_algo(recipe: Recipe, world: int | None = None) -> None:
@@ -347,12 +420,22 @@ def validate_algo(recipe: Recipe, world: int | None = None) -> None:
         raise UserError(f"algo.loss = '{algo.loss}' is not a registered loss; use one of {', '.join(POLICY_LOSSES)}")
     if recipe.rollout.prompts % (algo.minibatches * world):
         ranks = f" × {world} processes" if world > 1 else ""
-        raise UserError(f"rollout.prompts ({recipe.rollout.prompts}) must be divisible by algo.minibatches "
-                        f"({algo.minibatches}){ranks} so that groups stay whole")
+        raise UserError(
+            f"rollout.prompts ({recipe.rollout.prompts}) must be divisible by algo.minibatches "
+            f"({algo.minibatches}){ranks} so that groups stay whole"
+        )
     probe = torch.zeros(1, 1)
     try:
-        policy_loss(probe, probe, torch.zeros(1), torch.ones(1, 1), algo=algo.loss, agg=algo.agg,
-                    max_new_tokens=recipe.rollout.max_new_tokens, **algo.args)
+        policy_loss(
+            probe,
+            probe,
+            torch.zeros(1),
+            torch.ones(1, 1),
+            algo=algo.loss,
+            agg=algo.agg,
+            max_new_tokens=recipe.rollout.max_new_tokens,
+            **algo.args,
+        )
     except ValueError as error:
         raise UserError(f"algo.args for '{algo.loss}': {error}") from None
 
@@ -441,8 +524,11 @@ def reduce_step_metrics(micro: list[tuple[dict[str, float], float, float]], devi
     def gathered(values: list[float], reduce) -> list[float]:
         return reduce(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
 
-    sums = gathered([sum(m[k] * (weight if k == "loss" else tokens) for m, tokens, weight in micro) for k in means]
-                    + [sum(tokens for _, tokens, _ in micro)], distributed.all_sum)
+    sums = gathered(
+        [sum(m[k] * (weight if k == "loss" else tokens) for m, tokens, weight in micro) for k in means]
+        + [sum(tokens for _, tokens, _ in micro)],
+        distributed.all_sum,
+    )
     out = {k: total if k == "loss" else total / max(sums[-1], 1.0) for k, total in zip(means, sums, strict=False)}
     out.update(zip(lows, gathered([min(m[k] for m, _, _ in micro) for k in lows], distributed.all_min), strict=True))
     out.update(zip(highs, gathered([max(m[k] for m, _, _ in micro) for k in highs], distributed.all_max), strict=True))

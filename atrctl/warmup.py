@@ -58,12 +58,16 @@ def answer_loss(model, ids: torch.Tensor, attention: torch.Tensor, on_answer: to
     return (nll * weight).sum() / weight.sum().clamp(min=1.0)
 
 
-def greedy_accuracy(sampler: HFSampler, tokenizer, task: Task, problems: Sequence[Problem],
-                    max_new_tokens: int) -> float:
+def greedy_accuracy(
+    sampler: HFSampler, tokenizer, task: Task, problems: Sequence[Problem], max_new_tokens: int
+) -> float:
     """Fraction of problems whose greedy completion earns reward 1."""
     prompt_ids = encode_prompts(tokenizer, problems)
-    return mean_reward(sampled_scores(sampler, tokenizer, task, problems, prompt_ids, samples=1,
-                                      max_new_tokens=max_new_tokens, greedy=True))
+    return mean_reward(
+        sampled_scores(
+            sampler, tokenizer, task, problems, prompt_ids, samples=1, max_new_tokens=max_new_tokens, greedy=True
+        )
+    )
 
 
 def answer_budget(tokenizer, problems: Sequence[Problem], slack: int = 2) -> int:
@@ -71,8 +75,13 @@ def answer_budget(tokenizer, problems: Sequence[Problem], slack: int = 2) -> int
     return max(len(tokenizer.encode(p.solution, add_special_tokens=False)) for p in problems) + 1 + slack
 
 
-def warm_up(model, tokenizer, task: Task, config: WarmupConfig,
-            on_progress: Callable[[int, float, float | None], None] | None = None) -> WarmupResult:
+def warm_up(
+    model,
+    tokenizer,
+    task: Task,
+    config: WarmupConfig,
+    on_progress: Callable[[int, float, float | None], None] | None = None,
+) -> WarmupResult:
     """Train until held-out greedy accuracy reaches config.target_accuracy or config.max_steps pass.
 
     on_progress(step, loss, accuracy or None) is called after every step, for a progress display.

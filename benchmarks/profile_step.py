@@ -35,8 +35,9 @@ def main() -> None:
     set_cpu_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        recipe = load_recipe("recipes/default.toml", [f"model.base={save_model(args.preset, scratch)}",
-                                                      "model.device=cpu", *args.set])
+        recipe = load_recipe(
+            "recipes/default.toml", [f"model.base={save_model(args.preset, scratch)}", "model.device=cpu", *args.set]
+        )
         run = build_run(recipe, scratch / "run", scratch)
         for step in range(3):
             train_step(run, step)

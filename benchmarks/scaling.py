@@ -59,12 +59,21 @@ def model_flops_per_step(run, generated: float, prompts: int, prompt_tokens: int
     return 2 * n * tokens * (1 + recompute) + 6 * n * tokens * run.recipe.algo.num_iterations
 
 
-def measure(model_dir: Path, scratch: Path, device: str, prompts: int, group: int, length: int, steps: int,
-            minibatches: int) -> dict[str, float]:
-    recipe = load_recipe("recipes/default.toml", [
-        f"model.base={model_dir}", f"model.device={device}", f"rollout.prompts={prompts}",
-        f"rollout.group_size={group}", f"rollout.max_new_tokens={length}", f"algo.minibatches={minibatches}",
-        f"run.steps={steps + 1}"])
+def measure(
+    model_dir: Path, scratch: Path, device: str, prompts: int, group: int, length: int, steps: int, minibatches: int
+) -> dict[str, float]:
+    recipe = load_recipe(
+        "recipes/default.toml",
+        [
+            f"model.base={model_dir}",
+            f"model.device={device}",
+            f"rollout.prompts={prompts}",
+            f"rollout.group_size={group}",
+            f"rollout.max_new_tokens={length}",
+            f"algo.minibatches={minibatches}",
+            f"run.steps={steps + 1}",
+        ],
+    )
     run = build_run(recipe, scratch / f"{model_dir.name}-{group}-{length}", scratch)
     suppress_eos(run)
     records = []
@@ -88,18 +97,29 @@ def measure(model_dir: Path, scratch: Path, device: str, prompts: int, group: in
 def cpu_grid(args: argparse.Namespace, scratch: Path) -> None:
     for preset in args.presets:
         model_dir = save_model(preset, scratch)
-        cells = {(g, t): measure(model_dir, scratch, "cpu", args.prompts, g, t, args.steps, args.minibatches)
-                 for g in args.groups for t in args.lengths}
+        cells = {
+            (g, t): measure(model_dir, scratch, "cpu", args.prompts, g, t, args.steps, args.minibatches)
+            for g in args.groups
+            for t in args.lengths
+        }
         base = cells[args.groups[0], args.lengths[0]]["per_token_ms"]
-        print(f"\n{preset}, CPU {torch.get_num_threads()} threads, {args.prompts} prompts, {args.minibatches} "
-              f"mini-batches: median step seconds (tokens/s, sampling share, time per token vs first cell)")
+        print(
+            f"\n{preset}, CPU {torch.get_num_threads()} threads, {args.prompts} prompts, {args.minibatches} "
+            f"mini-batches: median step seconds (tokens/s, sampling share, time per token vs first cell)"
+        )
         print("| G \\ T | " + " | ".join(str(t) for t in args.lengths) + " |")
         print("|---|" + "---|" * len(args.lengths))
         for g in args.groups:
             row = [cells[g, t] for t in args.lengths]
-            print(f"| {g} | " + " | ".join(f"{c['step_s']:.3f} s ({c['tokens_per_s']:.0f} tok/s, "
-                                           f"{c['rollout_share']:.0%}, {c['per_token_ms'] / base:.2f}x)"
-                                           for c in row) + " |")
+            print(
+                f"| {g} | "
+                + " | ".join(
+                    f"{c['step_s']:.3f} s ({c['tokens_per_s']:.0f} tok/s, "
+                    f"{c['rollout_share']:.0%}, {c['per_token_ms'] / base:.2f}x)"
+                    for c in row
+                )
+                + " |"
+            )
         lengths = {round(c["mean_length"], 1) for c in cells.values()}
         print(f"completion lengths seen: {sorted(lengths)} (each cell's T: EOS suppressed)")
 
@@ -107,17 +127,22 @@ def cpu_grid(args: argparse.Namespace, scratch: Path) -> None:
 def gpu_section(args: argparse.Namespace, scratch: Path) -> None:
     name = torch.cuda.get_device_name()
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    print(f"\nGPU: {name}, bf16 autocast, {args.gpu_prompts} prompts x {args.gpu_group}, "
-          f"max_new_tokens {args.gpu_length}, {args.minibatches} mini-batches")
+    print(
+        f"\nGPU: {name}, bf16 autocast, {args.gpu_prompts} prompts x {args.gpu_group}, "
+        f"max_new_tokens {args.gpu_length}, {args.minibatches} mini-batches"
+    )
     print("| model | parameters | step s | tokens/s | sampling share | model TFLOP/s | MFU |")
     print("|---|---|---|---|---|---|---|")
     for model in ("medium", QWEN_HALF_B_SHAPE):
         model_dir = save_model(model, scratch)
-        cell = measure(model_dir, scratch, "cuda", args.gpu_prompts, args.gpu_group, args.gpu_length, args.steps,
-                       args.minibatches)
+        cell = measure(
+            model_dir, scratch, "cuda", args.gpu_prompts, args.gpu_group, args.gpu_length, args.steps, args.minibatches
+        )
         mfu = f"{cell['flops'] / (peak * 1e12):.1%}" if peak else "n/a (give --peak-tflops)"
-        print(f"| {model} | {cell['parameters'] / 1e6:.1f}M | {cell['step_s']:.3f} | {cell['tokens_per_s']:.0f} | "
-              f"{cell['rollout_share']:.0%} | {cell['flops'] / 1e12:.1f} | {mfu} |")
+        print(
+            f"| {model} | {cell['parameters'] / 1e6:.1f}M | {cell['step_s']:.3f} | {cell['tokens_per_s']:.0f} | "
+            f"{cell['rollout_share']:.0%} | {cell['flops'] / 1e12:.1f} | {mfu} |"
+        )
 
 
 def main() -> None:

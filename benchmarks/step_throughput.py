@@ -32,12 +32,14 @@ def measure(model_dir: Path, scratch: Path, steps: int, warmup: int) -> dict[str
     """Each loss's step records, steps alternating between the losses (which goes first alternates too)."""
     runs = {}
     for loss in LOSSES:
-        recipe = load_recipe("recipes/default.toml", [f"model.base={model_dir}", f"algo.loss={loss}",
-                                                      "model.device=cpu", f"run.steps={warmup + steps}"])
+        recipe = load_recipe(
+            "recipes/default.toml",
+            [f"model.base={model_dir}", f"algo.loss={loss}", "model.device=cpu", f"run.steps={warmup + steps}"],
+        )
         runs[loss] = build_run(recipe, scratch / f"{model_dir.name}-{loss}", scratch)
     records = {loss: [] for loss in runs}
     for step in range(warmup + steps):
-        for loss in (LOSSES if step % 2 == 0 else LOSSES[::-1]):
+        for loss in LOSSES if step % 2 == 0 else LOSSES[::-1]:
             record, _ = train_step(runs[loss], step)
             if step >= warmup:
                 records[loss].append(record)
@@ -51,18 +53,26 @@ def quantile(values: list[float], q: float) -> float:
 
 def report(preset: str, records: dict[str, list[dict]]) -> None:
     print(f"\n{preset}")
-    print(f"  {'loss':5} {'steps/s':>8} {'gen tok/s':>10} " + " ".join(f"{p:>9}" for p in STEP_PHASES)
-          + f" {'other':>9}  (mean ms per step)")
+    print(
+        f"  {'loss':5} {'steps/s':>8} {'gen tok/s':>10} "
+        + " ".join(f"{p:>9}" for p in STEP_PHASES)
+        + f" {'other':>9}  (mean ms per step)"
+    )
     for loss, rows in records.items():
         step_s = statistics.median(r["time/step"] for r in rows)
         phases = [statistics.fmean(r[f"time/{p}"] for r in rows) for p in STEP_PHASES]
         other = statistics.fmean(r["time/step"] for r in rows) - sum(phases)
         generated = sum(r["tokens_per_s"] * r["time/step"] for r in rows) / sum(r["time/step"] for r in rows)
-        print(f"  {loss:5} {1 / step_s:8.2f} {generated:10.0f} "
-              + " ".join(f"{p * 1e3:9.1f}" for p in phases) + f" {other * 1e3:9.1f}")
+        print(
+            f"  {loss:5} {1 / step_s:8.2f} {generated:10.0f} "
+            + " ".join(f"{p * 1e3:9.1f}" for p in phases)
+            + f" {other * 1e3:9.1f}"
+        )
     ratios = [a["time/step"] / g["time/step"] for a, g in zip(records["atr"], records["grpo"], strict=True)]
-    print(f"  atr / grpo step time: median {statistics.median(ratios):.3f} over {len(ratios)} paired steps "
-          f"[{quantile(ratios, 0.025):.3f}, {quantile(ratios, 0.975):.3f}]")
+    print(
+        f"  atr / grpo step time: median {statistics.median(ratios):.3f} over {len(ratios)} paired steps "
+        f"[{quantile(ratios, 0.025):.3f}, {quantile(ratios, 0.975):.3f}]"
+    )
 
 
 def main() -> None:
@@ -73,8 +83,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     set_cpu_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch = default recipe "
-          "(64 prompts x 8, 8 new tokens, 4 mini-batches)")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch = default recipe "
+        "(64 prompts x 8, 8 new tokens, 4 mini-batches)"
+    )
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         for preset in args.presets:

@@ -39,11 +39,20 @@ PHASES = ("rollout", "reward", "logprobs", "update")
 def recipe_for(args: argparse.Namespace):
     from atrctl.config import load_recipe
 
-    return load_recipe("recipes/default.toml", [
-        f"model.base={args.model_dir}", f"model.device={args.device}", f"algo.loss={args.algo}",
-        f"rollout.prompts={args.prompts}", f"rollout.group_size={args.group_size}",
-        f"rollout.max_new_tokens={args.max_new_tokens}", f"algo.minibatches={args.minibatches}",
-        f"algo.num_iterations={args.num_iterations}", f"run.steps={args.warmup + args.steps}"])
+    return load_recipe(
+        "recipes/default.toml",
+        [
+            f"model.base={args.model_dir}",
+            f"model.device={args.device}",
+            f"algo.loss={args.algo}",
+            f"rollout.prompts={args.prompts}",
+            f"rollout.group_size={args.group_size}",
+            f"rollout.max_new_tokens={args.max_new_tokens}",
+            f"algo.minibatches={args.minibatches}",
+            f"algo.num_iterations={args.num_iterations}",
+            f"run.steps={args.warmup + args.steps}",
+        ],
+    )
 
 
 def atrctl_worker(args: argparse.Namespace) -> dict:
@@ -55,8 +64,13 @@ def atrctl_worker(args: argparse.Namespace) -> dict:
     for step in range(args.warmup + args.steps):
         record, _ = train_step(run, step)
         if step >= args.warmup:
-            steps.append({"seconds": record["time/step"], "tokens": record["len/mean"] * args.prompts * args.group_size,
-                          **{phase: record[f"time/{phase}"] for phase in PHASES}})
+            steps.append(
+                {
+                    "seconds": record["time/step"],
+                    "tokens": record["len/mean"] * args.prompts * args.group_size,
+                    **{phase: record[f"time/{phase}"] for phase in PHASES},
+                }
+            )
     return {"steps": steps}
 
 
@@ -108,21 +122,49 @@ def trl_worker(args: argparse.Namespace) -> dict:
     low, high = trust_region(args.algo, **({"max_kl3": args.max_kl3} if args.algo == "atr" else {}))
     cuda = args.device == "cuda"
     config = GRPOConfig(
-        output_dir=str(Path(args.scratch) / "trl-run"), use_cpu=not cuda, bf16=cuda, seed=recipe.run.seed,
+        output_dir=str(Path(args.scratch) / "trl-run"),
+        use_cpu=not cuda,
+        bf16=cuda,
+        seed=recipe.run.seed,
         per_device_train_batch_size=args.prompts // args.minibatches * args.group_size,
-        gradient_accumulation_steps=1, steps_per_generation=args.minibatches, num_generations=args.group_size,
-        max_completion_length=args.max_new_tokens, num_iterations=args.num_iterations,
+        gradient_accumulation_steps=1,
+        steps_per_generation=args.minibatches,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        num_iterations=args.num_iterations,
         max_steps=total * per_rollout,
-        temperature=recipe.rollout.temperature, top_p=recipe.rollout.top_p, top_k=0,
-        learning_rate=recipe.optim.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused",
-        weight_decay=recipe.optim.weight_decay, max_grad_norm=recipe.optim.grad_clip, gradient_checkpointing=False,
-        beta=0.0, loss_type="dapo", epsilon=1.0 - low, epsilon_high=high - 1.0, scale_rewards="group",
-        shuffle_dataset=False, save_strategy="no", report_to="none", logging_steps=10**9, disable_tqdm=True,
-        dataloader_num_workers=0)
+        temperature=recipe.rollout.temperature,
+        top_p=recipe.rollout.top_p,
+        top_k=0,
+        learning_rate=recipe.optim.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch_fused",
+        weight_decay=recipe.optim.weight_decay,
+        max_grad_norm=recipe.optim.grad_clip,
+        gradient_checkpointing=False,
+        beta=0.0,
+        loss_type="dapo",
+        epsilon=1.0 - low,
+        epsilon_high=high - 1.0,
+        scale_rewards="group",
+        shuffle_dataset=False,
+        save_strategy="no",
+        report_to="none",
+        logging_steps=10**9,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     trainer.train()
     ends = clock.ends[per_rollout - 1 :: per_rollout]  # the last optimiser step of each rollout
     seconds = [b - a for a, b in zip(ends, ends[1:], strict=False)]  # step k > 0: end(k) - end(k-1)
@@ -133,23 +175,41 @@ def trl_worker(args: argparse.Namespace) -> dict:
 
 
 def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict:
-    command = [sys.executable, __file__, "--worker", side, "--model-dir", str(model_dir), "--scratch", str(scratch),
-               *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in {"worker", "model_dir", "scratch", "pairs", "threads", "preset"}]]
-    env = {**os.environ, "ATRCTL_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false"}
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        side,
+        "--model-dir",
+        str(model_dir),
+        "--scratch",
+        str(scratch),
+        *[
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k not in {"worker", "model_dir", "scratch", "pairs", "threads", "preset"}
+        ],
+    ]
+    env = {
+        **os.environ,
+        "ATRCTL_THREADS": str(args.threads),
+        "OMP_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode or not lines:
         sys.exit(f"{side} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len(RESULT):])
+    return json.loads(lines[-1][len(RESULT) :])
 
 
 def rates(result: dict) -> tuple[float, float]:
     """(steps/s from the median step time, tokens/s over all measured steps)."""
     steps = result["steps"]
-    return (1.0 / statistics.median(s["seconds"] for s in steps),
-            sum(s["tokens"] for s in steps) / sum(s["seconds"] for s in steps))
+    return (
+        1.0 / statistics.median(s["seconds"] for s in steps),
+        sum(s["tokens"] for s in steps) / sum(s["seconds"] for s in steps),
+    )
 
 
 def spread(values: list[float]) -> str:
@@ -167,15 +227,19 @@ def breakdown(results: list[dict]) -> list[tuple[str, float]]:
 def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
     ours = [rates(pair["atrctl"]) for pair in pairs]
     theirs = [rates(pair["trl"]) for pair in pairs]
-    print(f"\n{args.preset}, {args.prompts} prompts x {args.group_size}, max_new_tokens {args.max_new_tokens}, "
-          f"{args.minibatches} mini-batches, mu {args.num_iterations}, loss {args.algo}, {args.threads} threads, "
-          f"{args.device}; {len(pairs)} pairs x {args.steps} steps (median [min, max] over pairs)")
+    print(
+        f"\n{args.preset}, {args.prompts} prompts x {args.group_size}, max_new_tokens {args.max_new_tokens}, "
+        f"{args.minibatches} mini-batches, mu {args.num_iterations}, loss {args.algo}, {args.threads} threads, "
+        f"{args.device}; {len(pairs)} pairs x {args.steps} steps (median [min, max] over pairs)"
+    )
     print(f"| {'':7} | {'steps/s':>20} | {'tokens/s':>26} |")
     print(f"|{'-' * 9}|{'-' * 22}|{'-' * 28}|")
     print(f"| {'atrctl':7} | {spread([s for s, _ in ours]):>20} | {spread([t for _, t in ours]):>26} |")
     print(f"| {'TRL':7} | {spread([s for s, _ in theirs]):>20} | {spread([t for _, t in theirs]):>26} |")
-    print(f"| {'ratio':7} | {spread([a[0] / b[0] for a, b in zip(ours, theirs, strict=True)]):>20} | "
-          f"{spread([a[1] / b[1] for a, b in zip(ours, theirs, strict=True)]):>26} |")
+    print(
+        f"| {'ratio':7} | {spread([a[0] / b[0] for a, b in zip(ours, theirs, strict=True)]):>20} | "
+        f"{spread([a[1] / b[1] for a, b in zip(ours, theirs, strict=True)]):>26} |"
+    )
     print("\nstep breakdown, mean ms per step (share); TRL's from its own profiling blocks, its update = the rest")
     ours, theirs = breakdown([pair["atrctl"] for pair in pairs]), dict(breakdown([pair["trl"] for pair in pairs]))
     print(f"  {'phase':9} {'atrctl':>16} {'TRL':>16}")
@@ -183,8 +247,10 @@ def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
         if phase == "other":
             print(f"  {phase:9} {seconds * 1e3:8.1f} ({seconds / ours[-1][1]:5.1%}) {'(in update)':>16}")
             continue
-        print(f"  {phase:9} {seconds * 1e3:8.1f} ({seconds / ours[-1][1]:5.1%}) "
-              f"{theirs[phase] * 1e3:8.1f} ({theirs[phase] / theirs['step']:5.1%})")
+        print(
+            f"  {phase:9} {seconds * 1e3:8.1f} ({seconds / ours[-1][1]:5.1%}) "
+            f"{theirs[phase] * 1e3:8.1f} ({theirs[phase] / theirs['step']:5.1%})"
+        )
 
 
 def main() -> None:
@@ -216,8 +282,10 @@ def main() -> None:
     from fresh_models import save_model  # benchmarks/ is on sys.path when this file runs as a script
 
     if importlib.util.find_spec("trl") is None:
-        print('error: TRL is not installed; it is a benchmark-only extra: pip install torch==2.13.0 -e ".[bench]"',
-              file=sys.stderr)
+        print(
+            'error: TRL is not installed; it is a benchmark-only extra: pip install torch==2.13.0 -e ".[bench]"',
+            file=sys.stderr,
+        )
         sys.exit(2)
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -228,8 +296,10 @@ def main() -> None:
             order = ("atrctl", "trl") if pair % 2 == 0 else ("trl", "atrctl")
             pairs.append({side: run_worker(side, args, model_dir, scratch / f"{pair}-{side}") for side in order})
             a, t = rates(pairs[-1]["atrctl"]), rates(pairs[-1]["trl"])
-            print(f"pair {pair + 1}: atrctl {a[0]:.2f} steps/s, TRL {t[0]:.2f} steps/s, ratio {a[0] / t[0]:.2f}",
-                  flush=True)
+            print(
+                f"pair {pair + 1}: atrctl {a[0]:.2f} steps/s, TRL {t[0]:.2f} steps/s, ratio {a[0] / t[0]:.2f}",
+                flush=True,
+            )
         report(args, pairs)
 
 

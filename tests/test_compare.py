@@ -59,15 +59,42 @@ def test_two_level_bootstrap_covers_seed_noise():
     assert np.array_equal(boot, two_level_bootstrap([steady, shaky], resamples=500, seed=1))
 
 
-FAST = ["task.args.digits=2", "model.device=cpu", "warmup.max_steps=40", "warmup.target_accuracy=1.0",
-        "warmup.eval_every=40", "warmup.eval_problems=10", "warmup.batch_size=32", "rollout.prompts=4",
-        "rollout.group_size=4", "algo.minibatches=2", "eval.problems=8", "eval.samples=2", "eval.every=2"]
+FAST = [
+    "task.args.digits=2",
+    "model.device=cpu",
+    "warmup.max_steps=40",
+    "warmup.target_accuracy=1.0",
+    "warmup.eval_every=40",
+    "warmup.eval_problems=10",
+    "warmup.batch_size=32",
+    "rollout.prompts=4",
+    "rollout.group_size=4",
+    "algo.minibatches=2",
+    "eval.problems=8",
+    "eval.samples=2",
+    "eval.every=2",
+]
 
 
 def compare_args(results, *extra):
     sets = [flag for item in FAST for flag in ("--set", item)]
-    return ["compare", "grpo", "atr", "--seeds", "1", "--steps", "2", "--n", "4", "--problems", "8",
-            "--results", str(results), *sets, *extra]
+    return [
+        "compare",
+        "grpo",
+        "atr",
+        "--seeds",
+        "1",
+        "--steps",
+        "2",
+        "--n",
+        "4",
+        "--problems",
+        "8",
+        "--results",
+        str(results),
+        *sets,
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -97,8 +124,11 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [(["--n", "0"], "--n must be at least 1"), (["--seeds", "0"], "--seeds must be at least 1"),
-     (["--max-kl3", "-1"], "max_kl3")],
+    [
+        (["--n", "0"], "--n must be at least 1"),
+        (["--seeds", "0"], "--seeds must be at least 1"),
+        (["--max-kl3", "-1"], "max_kl3"),
+    ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, extra, message):
     assert main(compare_args(tmp_path, *extra)) == 2

@@ -16,8 +16,10 @@ def test_shipped_default_recipe_is_the_default():
 
 
 def test_overrides_apply_in_order_and_read_toml_values():
-    recipe = load_recipe("recipes/default.toml", ["task.args.digits=2", "warmup.lr=1e-3", "model.device=cpu",
-                                                  "warmup.lr=5e-4", "task.chat_template=true"])
+    recipe = load_recipe(
+        "recipes/default.toml",
+        ["task.args.digits=2", "warmup.lr=1e-3", "model.device=cpu", "warmup.lr=5e-4", "task.chat_template=true"],
+    )
     assert recipe.task.args["digits"] == 2 and recipe.task.args["ops"] == "+"
     assert recipe.warmup.lr == 5e-4 and recipe.model.device == "cpu" and recipe.task.chat_template is True
     assert parse_override("model.base=results/bases/x") == (["model", "base"], "results/bases/x")

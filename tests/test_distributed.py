@@ -22,10 +22,25 @@ from atrctl.losses import aggregation_normaliser
 from atrctl.rollout import Rollout
 from atrctl.train import train, validate_algo
 
-FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
-        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10",
-        "rollout.prompts=4", "rollout.group_size=4", "eval.problems=6", "eval.samples=2", "eval.every=100",
-        "run.steps=3", "algo.minibatches=2", "algo.num_iterations=2", "algo.entropy_coef=0.01", "optim.lr=1e-3"]
+FAST = [
+    "task.args.digits=1",
+    "model.device=cpu",
+    "warmup.max_steps=60",
+    "warmup.target_accuracy=1.0",
+    "warmup.batch_size=32",
+    "warmup.eval_every=60",
+    "warmup.eval_problems=10",
+    "rollout.prompts=4",
+    "rollout.group_size=4",
+    "eval.problems=6",
+    "eval.samples=2",
+    "eval.every=100",
+    "run.steps=3",
+    "algo.minibatches=2",
+    "algo.num_iterations=2",
+    "algo.entropy_coef=0.01",
+    "optim.lr=1e-3",
+]
 DDP = ["rollout.sample_batch=4"]  # one prompt per sampling chunk: the same chunks at 1 and 2 processes
 
 
@@ -74,10 +89,20 @@ def test_micro_parts_cover_the_minibatch():
 
 
 def test_concat_rollouts_pads_prompts_left_and_completions_right():
-    a = Rollout(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), torch.tensor([[7]]),
-                torch.ones(1, 1, dtype=torch.long), torch.tensor([[-0.5]]))
-    b = Rollout(torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.long), torch.tensor([[7, 8]]),
-                torch.ones(1, 2, dtype=torch.long), torch.tensor([[-0.1, -0.2]]))
+    a = Rollout(
+        torch.tensor([[5, 6]]),
+        torch.ones(1, 2, dtype=torch.long),
+        torch.tensor([[7]]),
+        torch.ones(1, 1, dtype=torch.long),
+        torch.tensor([[-0.5]]),
+    )
+    b = Rollout(
+        torch.tensor([[5]]),
+        torch.ones(1, 1, dtype=torch.long),
+        torch.tensor([[7, 8]]),
+        torch.ones(1, 2, dtype=torch.long),
+        torch.tensor([[-0.1, -0.2]]),
+    )
     joined = concat_rollouts([a, b], pad_id=0)
     assert joined.prompt_ids.tolist() == [[5, 6], [0, 5]] and joined.prompt_mask.tolist() == [[1, 1], [0, 1]]
     assert joined.completion_ids.tolist() == [[7, 0], [7, 8]] and joined.completion_mask.tolist() == [[1, 0], [1, 1]]
@@ -87,7 +112,11 @@ def test_concat_rollouts_pads_prompts_left_and_completions_right():
 def test_aggregation_normaliser_counts_tokens_or_sequences():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
     assert aggregation_normaliser(mask, "token-mean") == 3
-    assert aggregation_normaliser(mask, "seq-mean-token-mean") == aggregation_normaliser(mask, "seq-mean-token-sum-norm") == 2
+    assert (
+        aggregation_normaliser(mask, "seq-mean-token-mean")
+        == aggregation_normaliser(mask, "seq-mean-token-sum-norm")
+        == 2
+    )
 
 
 def test_prompts_must_split_over_processes_and_minibatches():
@@ -107,8 +136,9 @@ def test_micro_batches_give_the_same_weights(results, agg):
     train(recipe(f"algo.agg={agg}"), whole, results=results)
     train(recipe(f"algo.agg={agg}", "algo.micro_batch=3"), micro, results=results)
     assert_same_weights(weights(whole), weights(micro))
-    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
-              for d in (whole, micro)]
+    losses = [
+        [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (whole, micro)
+    ]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
 
 
@@ -125,8 +155,17 @@ def test_gradient_checkpointing_and_sampling_chunks_train(results):
 
 def torchrun(*args, nproc=2):
     env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "atrctl", "train", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "atrctl",
+        "train",
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -177,8 +216,24 @@ def test_a_run_resumes_at_another_world_size(results, single):
 @pytest.mark.slow
 def test_nproc_relaunches_under_torchrun(results, single):
     env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "atrctl", "train", "--nproc", "2", "--name", "nproc",
-                           "--results", str(results), *cli_sets(*DDP, "run.steps=1")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "atrctl",
+            "train",
+            "--nproc",
+            "2",
+            "--name",
+            "nproc",
+            "--results",
+            str(results),
+            *cli_sets(*DDP, "run.steps=1"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert len((results / "nproc" / "metrics.jsonl").read_text().splitlines()) == 1

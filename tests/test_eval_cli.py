@@ -33,8 +33,16 @@ def test_eval_of_a_run_writes_its_three_files(run_dir, capsys):
     assert ((frame["ci_low"] <= frame["pass@k"]) & (frame["pass@k"] <= frame["ci_high"])).all()
     assert frame["pass@k"].is_monotonic_increasing
     markdown = (run_dir / "eval" / "passk.md").read_text()
-    for text in ("| k | pass@k | 95% CI | maj@k |", "avg@n", "greedy accuracy", "n: 8", "problems: 5",
-                 "temperature: 1", "seed: 0", "seconds"):
+    for text in (
+        "| k | pass@k | 95% CI | maj@k |",
+        "avg@n",
+        "greedy accuracy",
+        "n: 8",
+        "problems: 5",
+        "temperature: 1",
+        "seed: 0",
+        "seconds",
+    ):
         assert text in markdown
     assert (run_dir / "eval" / "passk.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -48,8 +56,21 @@ def test_eval_of_a_run_writes_its_three_files(run_dir, capsys):
 
 def test_eval_of_a_model_directory_needs_a_task(run_dir, tmp_path):
     out = tmp_path / "model-eval"
-    args = ["eval", str(run_dir / "model"), "--task", "arith", "--task-arg", "digits=1", "--max-new-tokens", "3",
-            "--out", str(out), "--seed", "3", *FAST]
+    args = [
+        "eval",
+        str(run_dir / "model"),
+        "--task",
+        "arith",
+        "--task-arg",
+        "digits=1",
+        "--max-new-tokens",
+        "3",
+        "--out",
+        str(out),
+        "--seed",
+        "3",
+        *FAST,
+    ]
     assert main(args) == 0
     assert sorted(p.name for p in out.iterdir()) == ["passk.csv", "passk.md", "passk.png"]
     assert "seed: 3" in (out / "passk.md").read_text()

@@ -21,8 +21,24 @@ from atrctl.models import build_char_tokenizer, build_model
 from atrctl.tasks import Score, get_task
 
 # one problem per sampling chunk, greedy blocks of 8 problems: rank 1 samples 12 problems, greedy-decodes 8
-FLAGS = ["--task", "arith", "--task-arg", "digits=1", "--task-arg", "ops=+-", "--max-new-tokens", "1",
-         "--n", "32", "--problems", "24", "--batch-size", "8", "--device", "cpu"]
+FLAGS = [
+    "--task",
+    "arith",
+    "--task-arg",
+    "digits=1",
+    "--task-arg",
+    "ops=+-",
+    "--max-new-tokens",
+    "1",
+    "--n",
+    "32",
+    "--problems",
+    "24",
+    "--batch-size",
+    "8",
+    "--device",
+    "cpu",
+]
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -132,8 +148,19 @@ def test_torchrun_eval_matches_one_process_and_only_rank_zero_writes(model_dir, 
     assert "greedy accuracy: 0.0000" not in (single / "passk.md").read_text()  # block 2 of 3 is rank 1's
     out = tmp_path / "eval"
     flags = ["--samples" if flag == "--n" else flag for flag in FLAGS]  # torchrun would take --n as its own
-    done = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "atrctl", "eval",
-               str(model_dir), *flags, "--out", str(out))
+    done = run(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "atrctl",
+        "eval",
+        str(model_dir),
+        *flags,
+        "--out",
+        str(out),
+    )
     assert_same_evaluation(out, single)
     assert done.stdout.count("wrote ") == 1 and done.stdout.count("pass@k:") == 1  # rank 0 alone reports
 

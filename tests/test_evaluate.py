@@ -76,10 +76,10 @@ def test_bootstrap_resamples_problems_not_seeds():
 
 
 PARSED = [
-    ["7", "7", "3", None],   # majority 7, correct
-    ["5", "6", "6", "5"],    # tie 5/6: 5 came first, wrong
+    ["7", "7", "3", None],  # majority 7, correct
+    ["5", "6", "6", "5"],  # tie 5/6: 5 came first, wrong
     [None, None, None, "9"],  # one vote, correct only once it is seen
-    ["1", "2", "2", "2"],    # majority 2, wrong, though a sample is right
+    ["1", "2", "2", "2"],  # majority 2, wrong, though a sample is right
 ]
 REWARDS = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0]], dtype=np.float32)
 
@@ -95,8 +95,7 @@ def test_majority_vote_on_hand_built_answers():
 
 
 def test_summary_reports_every_figure():
-    result = EvalResult(["a", "b", "c", "d"], 4, REWARDS, PARSED, np.array([True, False, False, True]),
-                        1.0, 0, 1.5)
+    result = EvalResult(["a", "b", "c", "d"], 4, REWARDS, PARSED, np.array([True, False, False, True]), 1.0, 0, 1.5)
     assert result.correct.tolist() == [2, 2, 1, 1]
     summary = result.summary([1, 4])
     assert summary["pass@1"] == pytest.approx(avg_at_n(REWARDS)) == pytest.approx(6 / 16)
@@ -134,8 +133,9 @@ def test_evaluate_model_is_reproducible_and_consistent(tiny):
     problems = task.problems("test", 6, 0)
     seen = []
     kwargs = dict(n=8, temperature=1.0, max_new_tokens=3, batch_size=16)
-    result = evaluate_model(model, tokenizer, task, problems, seed=0, on_progress=lambda d, t: seen.append((d, t)),
-                            **kwargs)
+    result = evaluate_model(
+        model, tokenizer, task, problems, seed=0, on_progress=lambda d, t: seen.append((d, t)), **kwargs
+    )
     assert result.rewards.shape == (6, 8) and len(result.parsed) == 6 and all(len(r) == 8 for r in result.parsed)
     assert result.greedy.shape == (6,) and result.greedy.dtype == bool
     assert result.problem_ids == [p.id for p in problems] and result.n == 8 and result.seconds > 0

@@ -7,13 +7,7 @@ import torch
 
 from atrctl.bands import kl_band_bounds, tv_band_bounds
 from atrctl.divergence import kl3_bounds
-from atrctl.losses import (
-    AGGREGATIONS,
-    LOG_RATIO_LIMIT,
-    POLICY_LOSSES,
-    aggregate,
-    policy_loss,
-)
+from atrctl.losses import AGGREGATIONS, LOG_RATIO_LIMIT, POLICY_LOSSES, aggregate, policy_loss
 
 RATIO_CLIP_LOSSES = [name for name in POLICY_LOSSES if name != "cispo"]
 METRIC_NAMES = {"loss", "clip/low", "clip/high", "clip/region", "kl3/mean", "kl3/max", "ratio/min", "ratio/max"}

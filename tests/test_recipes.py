@@ -18,8 +18,10 @@ from atrctl.models import build_char_tokenizer, build_model
 RECIPES = Path(__file__).parent.parent / "recipes"
 DATA = Path(__file__).parent / "data"
 CASES = {"gsm8k-qwen2.5-0.5b": DATA / "gsm8k_sample.jsonl", "math-qwen2.5-1.5b": DATA / "math_sample.jsonl"}
-CHAT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +60,20 @@ def test_the_larger_recipe_saves_memory():
 
 @pytest.mark.parametrize("name", CASES)
 def test_one_step_of_the_recipe_runs_on_a_stand_in(name, stand_in, tmp_path):
-    sets = [f"model.base={stand_in}", f"task.args.path={CASES[name]}", f"task.args.test_path={CASES[name]}",
-            "model.device=cpu", "rollout.prompts=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
-            "algo.micro_batch=3", "rollout.sample_batch=8", "eval.problems=2", "eval.samples=1", "run.steps=1"]
+    sets = [
+        f"model.base={stand_in}",
+        f"task.args.path={CASES[name]}",
+        f"task.args.test_path={CASES[name]}",
+        "model.device=cpu",
+        "rollout.prompts=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=8",
+        "algo.micro_batch=3",
+        "rollout.sample_batch=8",
+        "eval.problems=2",
+        "eval.samples=1",
+        "run.steps=1",
+    ]
     args = ["train", "--recipe", str(RECIPES / f"{name}.toml"), "--name", "run", "--results", str(tmp_path)]
     assert main([*args, *[item for s in sets for item in ("--set", s)]]) == 0
     run = tmp_path / "run"

@@ -19,10 +19,24 @@ from atrctl.rollout import ROLLOUT_BACKENDS
 from atrctl.tasks import TASKS
 from atrctl.train import train
 
-FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
-        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
-        "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "eval.every=2", "run.steps=2",
-        "algo.minibatches=2", "algo.entropy_coef=0.01", "optim.lr=1e-3"]  # the bonus moves every update
+FAST = [
+    "task.args.digits=1",
+    "model.device=cpu",
+    "warmup.max_steps=60",
+    "warmup.target_accuracy=1.0",
+    "warmup.batch_size=32",
+    "warmup.eval_every=60",
+    "warmup.eval_problems=10",
+    "rollout.prompts=4",
+    "rollout.group_size=4",
+    "eval.problems=10",
+    "eval.samples=2",
+    "eval.every=2",
+    "run.steps=2",
+    "algo.minibatches=2",
+    "algo.entropy_coef=0.01",
+    "optim.lr=1e-3",
+]  # the bonus moves every update
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -32,9 +46,14 @@ def recipe(*overrides):
 
 
 def test_every_choice_list_is_its_registry():
-    registries = {("model", "arch"): ARCHS, ("model", "dtype"): DTYPES, ("rollout", "backend"): ROLLOUT_BACKENDS,
-                  ("algo", "advantage"): ADVANTAGE_ESTIMATORS, ("algo", "agg"): AGGREGATIONS,
-                  ("algo", "kl_estimator"): KL_ESTIMATORS}
+    registries = {
+        ("model", "arch"): ARCHS,
+        ("model", "dtype"): DTYPES,
+        ("rollout", "backend"): ROLLOUT_BACKENDS,
+        ("algo", "advantage"): ADVANTAGE_ESTIMATORS,
+        ("algo", "agg"): AGGREGATIONS,
+        ("algo", "kl_estimator"): KL_ESTIMATORS,
+    }
     for key, registry in registries.items():
         assert config._CHOICES[key]() is registry, key  # the registry object itself, read when checked
 
@@ -50,16 +69,29 @@ def test_help_texts_show_the_defaults_of_the_dataclasses_and_registries(capsys, 
     monkeypatch.setenv("COLUMNS", "400")  # one help line per option: rich wraps to the terminal's width
     assert main(["train", "--help"]) == 0
     text = capsys.readouterr().out
-    for default in (RunConfig.steps, RolloutConfig.group_size, RolloutConfig.prompts,
-                    region_defaults("atr")["max_kl3"], region_defaults("grpo")["eps"]):
+    for default in (
+        RunConfig.steps,
+        RolloutConfig.group_size,
+        RolloutConfig.prompts,
+        region_defaults("atr")["max_kl3"],
+        region_defaults("grpo")["eps"],
+    ):
         assert f"[default: {default}]" in text, default
 
 
 def test_ls_lists_every_registry_entry_with_its_parameters(capsys):
     assert main(["ls"]) == 0
     out = capsys.readouterr().out
-    names = [*POLICY_LOSSES, *TRUST_REGIONS, *ADVANTAGE_ESTIMATORS, *AGGREGATIONS, *TASKS, *ROLLOUT_BACKENDS,
-             "default.toml", "gsm8k-qwen2.5-0.5b.toml"]
+    names = [
+        *POLICY_LOSSES,
+        *TRUST_REGIONS,
+        *ADVANTAGE_ESTIMATORS,
+        *AGGREGATIONS,
+        *TASKS,
+        *ROLLOUT_BACKENDS,
+        "default.toml",
+        "gsm8k-qwen2.5-0.5b.toml",
+    ]
     assert all(name in out for name in names), [name for name in names if name not in out]
     assert "max_kl3=0.1" in out and "digits=3" in out  # parameters come with their defaults
     assert "[0.616817, 1.516221]" in out  # atr's interval at its default δ
@@ -85,8 +117,11 @@ def test_a_registered_loss_and_estimator_train_end_to_end(results, monkeypatch):
 
     monkeypatch.setitem(POLICY_LOSSES, "halved-clip", halved_clip)
     monkeypatch.setitem(ADVANTAGE_ESTIMATORS, "sign", sign)
-    summary = train(recipe("algo.loss=halved-clip", "algo.advantage=sign", "algo.args.eps=0.25"),
-                    results / "registered", results=results)
+    summary = train(
+        recipe("algo.loss=halved-clip", "algo.advantage=sign", "algo.args.eps=0.25"),
+        results / "registered",
+        results=results,
+    )
     assert summary["algo"] == "halved-clip" and summary["algo_args"] == {"eps": 0.25} and summary["steps"] == 2
     logged = [json.loads(line) for line in (results / "registered" / "metrics.jsonl").read_text().splitlines()]
     assert len(seen) == 4  # 2 RL steps × 2 mini-batches
@@ -97,5 +132,6 @@ def test_a_registered_loss_and_estimator_train_end_to_end(results, monkeypatch):
     listed = {section.title.split(" (")[0]: section.rows for section in sections()}
     loss_row = next(row for row in listed["policy losses"] if row[0] == "halved-clip")
     assert loss_row[1:3] == ("eps=0.3", "surrogate") and loss_row[3].startswith("A throwaway loss")
-    assert ("sign", "A throwaway estimator: the sign of each reward's distance to its group mean.") \
-        in listed["advantage estimators"]
+    assert ("sign", "A throwaway estimator: the sign of each reward's distance to its group mean.") in listed[
+        "advantage estimators"
+    ]

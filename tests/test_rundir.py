@@ -21,7 +21,11 @@ def test_layout():
     run = RunDir("results/r")
     assert (run.config.name, run.metrics.name, run.summary.name) == ("config.toml", "metrics.jsonl", "summary.json")
     assert [p.name for p in (run.checkpoint, run.model, run.eval, run.tensorboard)] == [
-        "checkpoint", "model", "eval", "tensorboard"]
+        "checkpoint",
+        "model",
+        "eval",
+        "tensorboard",
+    ]
     assert all(p.parent == run.path for p in (run.config, run.metrics, run.checkpoint, run.model, run.eval))
     assert run.name == "r"
 
@@ -56,8 +60,12 @@ def test_metrics_append_read_trim_and_a_torn_line(tmp_path):
     assert [r["step"] for r in run.read_metrics()] == [1, 2, 3] and run.steps_logged() == 4
     assert run.last_eval() == {"eval/greedy": 0.5, "eval/pass@1": 0.25}
     run.trim_metrics(2)  # resume from the step-2 checkpoint: steps 3 and the torn line go
-    assert run.metrics.read_text() == '{"step": 1, "loss": 0.1}\n' + json.dumps(
-        {"step": 2, "loss": 0.2, "eval/greedy": 0.5, "eval/pass@1": 0.25}) + "\n"
+    assert (
+        run.metrics.read_text()
+        == '{"step": 1, "loss": 0.1}\n'
+        + json.dumps({"step": 2, "loss": 0.2, "eval/greedy": 0.5, "eval/pass@1": 0.25})
+        + "\n"
+    )
 
 
 def test_finished_and_evaluated(tmp_path):

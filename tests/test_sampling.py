@@ -158,11 +158,7 @@ def test_decode_completions_stops_at_eos(tokenizer):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [
-        ({"max_new_tokens": 0}, "max_new_tokens"),
-        ({"temperature": 0.0}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
-    ],
+    [({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": 0.0}, "temperature"), ({"top_p": 0.0}, "top_p")],
 )
 def test_bad_settings_are_user_errors(model, tokenizer, prompts, kwargs, message):
     with pytest.raises(UserError, match=message):
@@ -282,8 +278,13 @@ def test_rows_with_equal_ids_but_different_masks_do_not_share_a_prompt(tokenizer
     model = build_model("tiny", tokenizer, seed=3).eval()
     pad, a, b = tokenizer.pad_token_id, 20, 21
     ids = torch.tensor([[pad, a, b], [pad, a, b], [pad, a, b]])
-    rollout = Rollout(ids, torch.tensor([[1, 1, 1], [0, 1, 1], [0, 1, 1]]), torch.tensor([[a, b]] * 3),
-                      torch.ones(3, 2, dtype=torch.long), torch.zeros(3, 2))
+    rollout = Rollout(
+        ids,
+        torch.tensor([[1, 1, 1], [0, 1, 1], [0, 1, 1]]),
+        torch.tensor([[a, b]] * 3),
+        torch.ones(3, 2, dtype=torch.long),
+        torch.zeros(3, 2),
+    )
     with torch.no_grad():
         shared = completion_logprobs(model, rollout)
         for row in range(3):

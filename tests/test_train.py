@@ -33,16 +33,57 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
-        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10",
-        "rollout.prompts=4", "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "eval.every=2",
-        "run.steps=4", "algo.minibatches=1", "algo.entropy_coef=0.01", "optim.lr=1e-3"]
+FAST = [
+    "task.args.digits=1",
+    "model.device=cpu",
+    "warmup.max_steps=60",
+    "warmup.target_accuracy=1.0",
+    "warmup.batch_size=32",
+    "warmup.eval_every=60",
+    "warmup.eval_problems=10",
+    "rollout.prompts=4",
+    "rollout.group_size=4",
+    "eval.problems=10",
+    "eval.samples=2",
+    "eval.every=2",
+    "run.steps=4",
+    "algo.minibatches=1",
+    "algo.entropy_coef=0.01",
+    "optim.lr=1e-3",
+]
 
-METRICS = ("reward/mean", "reward/std", "frac_zero_std", "len/mean", "clip/low", "clip/high", "clip/region",
-           "kl3/mean", "kl3/max", "ratio/min", "ratio/max", "entropy", "loss", "grad_norm", "lr", "time/rollout",
-           "time/reward", "time/logprobs", "time/update", "time/step", "tokens_per_s")
-TIMING = ("time/rollout", "time/reward", "time/logprobs", "time/update", "time/step", "tokens_per_s",
-          "train_seconds_this_session")
+METRICS = (
+    "reward/mean",
+    "reward/std",
+    "frac_zero_std",
+    "len/mean",
+    "clip/low",
+    "clip/high",
+    "clip/region",
+    "kl3/mean",
+    "kl3/max",
+    "ratio/min",
+    "ratio/max",
+    "entropy",
+    "loss",
+    "grad_norm",
+    "lr",
+    "time/rollout",
+    "time/reward",
+    "time/logprobs",
+    "time/update",
+    "time/step",
+    "tokens_per_s",
+)
+TIMING = (
+    "time/rollout",
+    "time/reward",
+    "time/logprobs",
+    "time/update",
+    "time/step",
+    "tokens_per_s",
+    "train_seconds_this_session",
+)
 
 
 def recipe(*overrides):
@@ -163,8 +204,11 @@ def test_old_logprobs_are_recomputed_only_where_the_sampler_is_not_float32_exact
     """The rollout backend decides, from its numerics: the hf sampler matches the forward pass in float32 (CPU)
     and not under bf16 autocast (CUDA)."""
     tokenizer = build_char_tokenizer()
-    cpu, cuda = (HFSampler(None, tokenizer, Numerics(torch.device(name), dtype))
-                 for name, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)))
+    cpu, cuda = (
+        HFSampler(None, tokenizer, Numerics(torch.device(name), dtype))
+        for name, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16))
+    )
+
     def algo(old_logprobs, minibatches=4):
         return AlgoConfig(old_logprobs=old_logprobs, minibatches=minibatches)
 
@@ -187,8 +231,13 @@ def test_second_pass_moves_the_ratio(results, monkeypatch, old_logprobs):
 
     policy_loss = train_module.policy_loss
     monkeypatch.setattr(train_module, "policy_loss", spy)
-    _, directory = start(results, f"two-passes-{old_logprobs}", "algo.num_iterations=2", "run.steps=3",
-                         f"algo.old_logprobs={old_logprobs}")
+    _, directory = start(
+        results,
+        f"two-passes-{old_logprobs}",
+        "algo.num_iterations=2",
+        "run.steps=3",
+        f"algo.old_logprobs={old_logprobs}",
+    )
     assert len(passes) == 6
     for first, second in zip(passes[::2], passes[1::2], strict=True):
         if old_logprobs == "recompute":
@@ -369,20 +418,24 @@ def cli(results, *args):
     """`atrctl train` on the FAST recipe; the common flags are given as flags (a later one wins)."""
     flagged = ("run.steps=", "optim.lr=", "rollout.group_size=", "rollout.prompts=")  # --set would override them
     sets = [flag for item in FAST if not item.startswith(flagged) for flag in ("--set", item)]
-    return main(["train", "--results", str(results), *sets, "--prompts", "4", "--group-size", "4", "--steps", "2",
-                 *args])
+    return main(
+        ["train", "--results", str(results), *sets, "--prompts", "4", "--group-size", "4", "--steps", "2", *args]
+    )
 
 
-@pytest.mark.parametrize("bad", [
-    ["--set", "rollout.promts=4"],  # unknown key
-    ["--set", "optim.lr=fast"],  # wrong type
-    ["--lr", "-1e-4"],  # negative learning rate
-    ["--group-size", "1"],  # no baseline
-    ["--algo", "ppo"],  # unknown loss
-    ["--set", "algo.args.eps=0.2"],  # atr takes max_kl3, not eps
-    ["--set", "algo.minibatches=3"],  # 4 prompts do not split into 3 whole mini-batches
-    ["--set", "task.args.carry=1"],  # caught only once the run is being set up
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--set", "rollout.promts=4"],  # unknown key
+        ["--set", "optim.lr=fast"],  # wrong type
+        ["--lr", "-1e-4"],  # negative learning rate
+        ["--group-size", "1"],  # no baseline
+        ["--algo", "ppo"],  # unknown loss
+        ["--set", "algo.args.eps=0.2"],  # atr takes max_kl3, not eps
+        ["--set", "algo.minibatches=3"],  # 4 prompts do not split into 3 whole mini-batches
+        ["--set", "task.args.carry=1"],  # caught only once the run is being set up
+    ],
+)
 def test_bad_recipe_exits_2_and_leaves_no_run_directory(results, capsys, bad):
     before = sorted(p.name for p in results.iterdir())
     assert cli(results, "--name", "bad", *bad) == 2

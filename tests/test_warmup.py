@@ -13,8 +13,15 @@ from atrctl.models import build_char_tokenizer
 from atrctl.tasks import Problem, get_task
 from atrctl.warmup import answer_budget, encode_examples
 
-FAST = ["task.args.digits=1", "warmup.max_steps=30", "warmup.eval_every=10", "warmup.eval_problems=8",
-        "warmup.batch_size=16", "warmup.target_accuracy=1.0", "model.device=cpu"]
+FAST = [
+    "task.args.digits=1",
+    "warmup.max_steps=30",
+    "warmup.eval_every=10",
+    "warmup.eval_problems=8",
+    "warmup.batch_size=16",
+    "warmup.target_accuracy=1.0",
+    "model.device=cpu",
+]
 
 
 @pytest.fixture(scope="module")
