@@ -17,7 +17,7 @@ class Section(NamedTuple):
 
 
 def _summary(obj) -> str:
-    """The first line of an object's docstring (of the wrapped function for a partial)."""
+    """The first line of an object's docstring (of the wrapped function for a partial, of a task's module)."""
     doc = inspect.getdoc(getattr(obj, "func", obj)) or ""
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
@@ -93,7 +93,10 @@ def sections(recipes: Path = RECIPES) -> list[Section]:
         Section(
             "tasks (task.name, task.args)",
             ("name", "parameters", "what"),
-            [(name, _parameters(_task_parameters(factory)), _summary(factory)) for name, factory in TASKS.items()],
+            [
+                (name, _parameters(_task_parameters(factory)), _summary(inspect.getmodule(factory)))
+                for name, factory in TASKS.items()
+            ],
         ),
         Section("rollout backends (rollout.backend)", ("name", "implementation"), list(ROLLOUT_BACKENDS.items())),
         Section(f"recipes ({recipes})", ("file", "what"), [(path.name, _recipe_summary(path)) for path in shipped]),

@@ -34,6 +34,7 @@ class EvalTarget:
     dtype: str
     problem_seed: int  # the held-out problems training evaluated on (eval.seed), shared by every run
     directory: Path  # where its evaluation files go
+    backend: str = "hf"  # the rollout backend that samples (a run's rollout.backend)
 
 
 def eval_target(
@@ -63,6 +64,7 @@ def eval_target(
             recipe.model.dtype,
             recipe.eval.seed,
             out or run.eval,
+            recipe.rollout.backend,
         )
     if task is None:
         raise UserError(f"{target} is not a run directory (no config.toml): name its task, e.g. --task arith")
@@ -114,6 +116,7 @@ def evaluate_target(
         max_new_tokens=spec.max_new_tokens,
         chat_template=spec.chat_template,
         batch_size=batch_size,
+        backend=spec.backend,
         on_progress=on_progress,
     )
 

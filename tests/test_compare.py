@@ -8,6 +8,7 @@ import pytest
 from atrctl.cli import main
 from atrctl.compare import Arm, parse_arms
 from atrctl.compare_report import comparison_table, interval, table_markdown, two_level_bootstrap
+from atrctl.config import load_recipe
 from atrctl.errors import UserError
 from atrctl.passk import EvalResult
 
@@ -141,3 +142,33 @@ def test_unknown_arm_is_one_line(tmp_path, capsys):
     assert main(["compare", "grpo", "ppo", "--results", str(tmp_path)]) == 2
     assert "unknown arm 'ppo'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_shared_flags_become_the_parameters_of_each_arm_that_takes_them(tmp_path):
+    from atrctl.compare import plan_comparison
+
+    comparison = plan_comparison(
+        ["grpo", "dapo", "atr", "kl2"], seeds=1, n=4, problems=8, jobs=1, recipe=load_recipe(None, FAST),
+        max_kl3=0.05, eps=0.1, eps_high=0.3, name=None, overwrite=False, results=tmp_path,
+    )  # fmt: skip
+    expected = {"grpo": {"eps": 0.1}, "dapo": {"eps_low": 0.1, "eps_high": 0.3}, "atr": {"max_kl3": 0.05}}
+    assert comparison.loss_args == expected  # kl2 takes none of them: it keeps its defaults
+    assert json.loads((comparison.directory / "compare.json").read_text())["loss_args"] == expected
+    assert sorted(p.name for p in comparison.directory.iterdir()) == ["compare.json"]  # nothing trained yet
+
+
+@pytest.mark.slow
+def test_the_pipeline_runs_from_python_without_the_cli(tmp_path):
+    from atrctl.compare import plan_comparison, run_comparison
+
+    recipe = load_recipe(None, [*FAST, "run.steps=1"])
+    comparison = plan_comparison(
+        ["grpo", "atr"], seeds=1, n=2, problems=4, jobs=2, recipe=recipe, max_kl3=None, eps=None, eps_high=None,
+        name="py", overwrite=False, results=tmp_path,
+    )  # fmt: skip
+    shown = []
+    rows, ks = run_comparison(comparison, n=2, problems=4, jobs=2, results=tmp_path, command="from python",
+                              advance=lambda key, *progress: shown.append(key))  # fmt: skip
+    assert ks == [1, 2] and [row["row"] for row in rows] == ["grpo", "atr", "atr − grpo"]
+    assert {"warmup", "train", "eval grpo-s0", "eval atr-s0"} <= set(shown)
+    assert "from python" in (tmp_path / "compare-py" / "report.md").read_text()

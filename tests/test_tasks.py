@@ -34,7 +34,7 @@ def all_tasks():
 
 
 def test_registry_names():
-    assert set(TASKS) == {"arith", "countdown", "gsm8k", "math"}
+    assert {"arith", "countdown", "gsm8k", "math"} <= set(TASKS)  # the shipped tasks; a new one needs no edit here
 
 
 def test_same_seed_same_problems_and_seeds_differ(all_tasks):
