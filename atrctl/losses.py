@@ -390,11 +390,13 @@ def policy_loss(
 
 
 def _check_params(algo: str, params: dict) -> None:
-    """Unknown parameter names fail loudly (the constant trust regions check their own)."""
-    accepted = inspect.signature(POLICY_LOSSES[algo]).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+    """Unknown parameter names fail loudly, naming the ones the loss takes (`loss_parameters`); a loss that
+    takes **kwargs checks its own."""
+    loss = POLICY_LOSSES[algo]
+    direct = inspect.signature(loss).parameters.values() if not isinstance(loss, functools.partial) else ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in direct):
         return
-    names = [name for name, p in accepted.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    names = list(loss_parameters(algo))
     for name in params:
         if name not in names:
             raise ValueError(f"algo {algo!r} takes no parameter {name!r}; it takes {', '.join(names)}")
