@@ -113,7 +113,8 @@ def figure_path(out: Path | None, fmt: str | None, max_kl3s: Sequence[float]) ->
         out = Path("results/bounds") / f"bounds-kl3-{tag}.{fmt or FIGURE_FORMATS[0]}"
     suffix = out.suffix.lstrip(".").lower()
     if fmt is None and suffix not in FIGURE_FORMATS:
-        raise UserError(f"--out {out}: unknown figure type '.{suffix}'; end it in .png, .svg or .pdf")
+        endings = ", ".join(f".{f}" for f in FIGURE_FORMATS)
+        raise UserError(f"--out {out}: unknown figure type '.{suffix}'; end it in one of {endings}")
     if fmt is not None and suffix != fmt:
         raise UserError(f"--out {out} does not end in .{fmt} as --format asks; make them agree")
     try:

@@ -19,10 +19,11 @@ import typer
 
 from atrctl import __version__
 from atrctl.bounds_table import FIGURE_FORMATS
-from atrctl.config import OptimConfig, RolloutConfig, RunConfig
+from atrctl.config import AlgoConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig
 from atrctl.display import console, stderr
 from atrctl.divergence import region_defaults
 from atrctl.errors import UserError
+from atrctl.models import DEVICES
 
 app = typer.Typer(
     name="atrctl",
@@ -33,8 +34,9 @@ app = typer.Typer(
 )
 FigureFormat = Enum("FigureFormat", {name: name for name in FIGURE_FORMATS}, type=str)
 # Loss defaults for the help texts, read from the trust-region registry (one source).
-MAX_KL3, EPS = region_defaults("atr")["max_kl3"], region_defaults("grpo")["eps"]
-EPS_HIGH = region_defaults("dapo")["eps_high"]
+DEFAULT_MAX_KL3, DEFAULT_EPS = region_defaults("atr")["max_kl3"], region_defaults("grpo")["eps"]
+DEFAULT_EPS_HIGH = region_defaults("dapo")["eps_high"]
+DEVICE_HELP = ", ".join(DEVICES)
 
 
 def _show_version(value: bool) -> None:
@@ -81,9 +83,9 @@ def _check_nproc(nproc: int | None) -> None:
 def plot_bounds(
     max_kl3: Annotated[
         list[float], typer.Option("--max-kl3", help="KL3 level δ of ATR-GRPO; repeat to overlay several.")
-    ] = [MAX_KL3],  # noqa: B006 - typer reads the default, it is never mutated
-    eps: Annotated[float, typer.Option(help="GRPO clip ε (and DAPO's ε_low), in (0, 1).")] = EPS,
-    eps_high: Annotated[float, typer.Option(help="DAPO's clip-higher ε_high, > 0.")] = EPS_HIGH,
+    ] = [DEFAULT_MAX_KL3],  # noqa: B006 - typer reads the default, it is never mutated
+    eps: Annotated[float, typer.Option(help="GRPO clip ε (and DAPO's ε_low), in (0, 1).")] = DEFAULT_EPS,
+    eps_high: Annotated[float, typer.Option(help="DAPO's clip-higher ε_high, > 0.")] = DEFAULT_EPS_HIGH,
     out: Annotated[
         Path | None, typer.Option(help="Figure path \\[default: results/bounds/bounds-kl3-<δ>.png]; CSV beside it.")
     ] = None,
@@ -91,11 +93,11 @@ def plot_bounds(
 ) -> None:
     """Show the ratio interval each divergence constraint implies: table, CSV and figure."""
     from atrctl import display
-    from atrctl.divergence import MAX_KL3 as LIMIT
+    from atrctl.divergence import MAX_KL3
 
     for delta in max_kl3:
-        if _positive(delta, "--max-kl3") > LIMIT:
-            raise UserError(f"--max-kl3 must be at most {LIMIT:g} (got {delta}); typical values are 0.01-0.2")
+        if _positive(delta, "--max-kl3") > MAX_KL3:
+            raise UserError(f"--max-kl3 must be at most {MAX_KL3:g} (got {delta}); typical values are 0.01-0.2")
     _unit_open(eps, "--eps")
     _positive(eps_high, "--eps-high")
 
@@ -173,12 +175,21 @@ def warmup(
 @app.command()
 def train(
     ctx: typer.Context,
-    algo: Annotated[str | None, typer.Option(help="Policy loss \\[default: atr]; `atrctl ls` lists them.")] = None,
-    max_kl3: Annotated[float | None, typer.Option(help=f"ATR-GRPO's KL3 level δ \\[default: {MAX_KL3}].")] = None,
-    eps: Annotated[
-        float | None, typer.Option(help=f"Clip ε of grpo (ε_low of dapo/gspo/cispo) \\[default: {EPS}].")
+    algo: Annotated[
+        str | None, typer.Option(help=f"Policy loss \\[default: {AlgoConfig.loss}]; `atrctl ls` lists them.")
     ] = None,
-    eps_high: Annotated[float | None, typer.Option(help="Upper clip ε_high of dapo/gspo/cispo.")] = None,
+    max_kl3: Annotated[
+        float | None, typer.Option(help=f"ATR-GRPO's KL3 level δ \\[default: {DEFAULT_MAX_KL3}].")
+    ] = None,
+    eps: Annotated[
+        float | None, typer.Option(help=f"Clip ε of grpo (ε_low of dapo/gspo/cispo) \\[default: {DEFAULT_EPS}].")
+    ] = None,
+    eps_high: Annotated[
+        float | None,
+        typer.Option(
+            help=f"Upper clip ε_high of dapo/gspo/cispo \\[default: the loss's, {DEFAULT_EPS_HIGH} for dapo]."
+        ),
+    ] = None,
     steps: Annotated[int | None, typer.Option(help=f"RL steps \\[default: {RunConfig.steps}].")] = None,
     seed: Annotated[
         int | None, typer.Option(help=f"Seed of prompt order and sampling \\[default: {RunConfig.seed}].")
@@ -188,7 +199,7 @@ def train(
     ] = None,
     prompts: Annotated[int | None, typer.Option(help=f"Prompts per step \\[default: {RolloutConfig.prompts}].")] = None,
     lr: Annotated[float | None, typer.Option(help=f"Learning rate \\[default: {OptimConfig.lr:g}].")] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda \\[default: auto].")] = None,
+    device: Annotated[str | None, typer.Option(help=f"{DEVICE_HELP} \\[default: {ModelConfig.device}].")] = None,
     name: Annotated[
         str | None, typer.Option(help="Run name: results/<name>/ \\[default: <algo>-<task>-s<seed>-<time>].")
     ] = None,
@@ -293,7 +304,7 @@ def eval_command(
     temperature: Annotated[float, typer.Option(help="Sampling temperature, > 0.")] = 1.0,
     problems: Annotated[int, typer.Option(help="Problems to evaluate (drawn with the run's eval.seed).")] = 200,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    device: Annotated[str, typer.Option(help=f"{DEVICE_HELP}.")] = "auto",
     max_new_tokens: Annotated[
         int | None, typer.Option(help=r"Longest completion \[default: the run's rollout.max_new_tokens].")
     ] = None,
@@ -309,8 +320,8 @@ def eval_command(
     Under torchrun (or --nproc) each process samples a share of the problems; rank 0 alone writes and prints."""
     from atrctl import display, distributed
     from atrctl.config import parse_task_args
-    from atrctl.evaluation import eval_target, run_evaluation
-    from atrctl.passk import parse_ks
+    from atrctl.evaluation import eval_target, parse_ks, run_evaluation
+    from atrctl.rundir import has_evaluation
 
     for value, flag, example in (
         (n, "--n", 256),
@@ -325,7 +336,7 @@ def eval_command(
     _positive(temperature, "--temperature")
     ks = parse_ks(k, n)
     spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out)
-    if (spec.directory / "passk.csv").exists() and not overwrite:
+    if has_evaluation(spec.directory) and not overwrite:
         raise UserError(
             f"{spec.directory} already holds an evaluation; pass --overwrite to replace it or --out elsewhere"
         )
@@ -366,12 +377,13 @@ def compare(
     n: Annotated[int, typer.Option("--n", help="Samples per held-out problem for pass@k.")] = 256,
     problems: Annotated[int, typer.Option(help="Held-out problems, the same for every arm.")] = 500,
     jobs: Annotated[int, typer.Option(help="Training runs in parallel (one CPU thread each when > 1).")] = 2,
-    max_kl3: Annotated[float | None, typer.Option(help=f"δ of the atr arm \\[default: {MAX_KL3}].")] = None,
+    max_kl3: Annotated[float | None, typer.Option(help=f"δ of the atr arm \\[default: {DEFAULT_MAX_KL3}].")] = None,
     eps: Annotated[
-        float | None, typer.Option(help=f"ε of every arm that has one (grpo's eps, dapo's eps_low) \\[default: {EPS}].")
+        float | None,
+        typer.Option(help=f"ε of every arm that has one (grpo's eps, dapo's eps_low) \\[default: {DEFAULT_EPS}]."),
     ] = None,
     eps_high: Annotated[
-        float | None, typer.Option(help=f"ε_high of the arms that have one \\[default: {EPS_HIGH}].")
+        float | None, typer.Option(help=f"ε_high of the arms that have one \\[default: {DEFAULT_EPS_HIGH}].")
     ] = None,
     name: Annotated[str | None, typer.Option(help="results/compare-<name>/ \\[default: the arms joined by -].")] = None,
     recipe: RecipeOption = None,

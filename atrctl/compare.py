@@ -236,7 +236,8 @@ def evaluate_arms(
     from atrctl.tasks import get_task
 
     recipe = comparison.recipe
-    held_out = get_task(recipe.task.name, **recipe.task.args).problems("test", problems, recipe.eval.seed)
+    task = get_task(recipe.task.name, **recipe.task.args)
+    held_out = task.problems("test", problems, recipe.eval.seed)
     results: dict[str, list] = {}
     for label, directories in arm_runs(comparison).items():
         results[label] = []
@@ -250,6 +251,7 @@ def evaluate_arms(
             results[label].append(
                 evaluate_target(
                     spec,
+                    task,
                     held_out,
                     n=n,
                     temperature=recipe.eval.temperature,
@@ -266,19 +268,18 @@ def evaluate_arms(
 # ------------------------------------------------------------------ the pipeline
 
 
-def arm_loss_args(
-    arms: Sequence[Arm], max_kl3: float | None, eps: float | None, eps_high: float | None
-) -> dict[str, dict]:
-    """The shared --max-kl3 / --eps / --eps-high flags as the parameters of each trained arm that takes them."""
-    from atrctl.losses import flag_parameters, loss_parameters
+def trust_region_args(max_kl3: float | None, eps: float | None, eps_high: float | None) -> dict[str, dict]:
+    """The shared --max-kl3 / --eps / --eps-high flags as parameters of every constant trust region that takes
+    them (atr's max_kl3, grpo's eps, dapo's eps_low / eps_high); other losses keep their own defaults (gspo's
+    sequence-level ε is a different scale).  Recorded in compare.json, whichever arms are trained."""
+    from atrctl.divergence import TRUST_REGIONS, region_defaults
+    from atrctl.losses import flag_parameters
 
     args = {}
-    for arm in arms:
-        if arm.loss is not None:
-            taken = loss_parameters(arm.loss)
-            mine = {k: v for k, v in flag_parameters(arm.loss, max_kl3, eps, eps_high).items() if k in taken}
-            if mine:
-                args[arm.loss] = mine
+    for name in TRUST_REGIONS:
+        taken = {k: v for k, v in flag_parameters(name, max_kl3, eps, eps_high).items() if k in region_defaults(name)}
+        if taken:
+            args[name] = taken
     return args
 
 
@@ -304,7 +305,7 @@ def plan_comparison(
         if value < 1:
             raise UserError(f"{flag} must be at least 1 (got {value})")
     arms = parse_arms(arm_names)
-    loss_args = arm_loss_args(arms, max_kl3, eps, eps_high)
+    loss_args = trust_region_args(max_kl3, eps, eps_high)
     for arm in arms:
         if arm.loss is not None:
             validate_algo(arm_recipe(recipe, arm, recipe.model.base, loss_args))

@@ -164,7 +164,7 @@ def write_report(
     title = f"pass@k: {problems} held-out problems, n = {n}\nmean over seeds, {LEVEL:.0%} CI (problems and seeds)"
     save_figure(plot_passk_curves(curves, title), directory / "passk.png")
     save_figure(training_figure(runs), directory / "training.png")
-    save_figure(bounds_figure(deltas or [0.1], eps), directory / "bounds.png")
+    save_figure(bounds_figure(deltas, eps), directory / "bounds.png")
 
     starred = [row["row"] for row in rows[len(results) :] if any(row.get(f"{m} excludes_0") for m in metrics)]
     seeds = {row["seeds"] for row in arm_rows}

@@ -46,9 +46,9 @@ class ModelConfig:
     base: str = "tiny"
     """A preset (tiny, small, medium: built from config and warmed up), a local HF model directory or a hub name."""
     arch: str = "llama"
-    """Architecture of a preset (models.ARCHS): llama or qwen2."""
+    """Architecture of a preset (one of models.ARCHS)."""
     device: str = "auto"
-    """auto, cpu or cuda."""
+    """One of models.DEVICES: auto (CUDA when present), cpu or cuda."""
     dtype: str = "auto"
     """auto (bf16 on a capable GPU, else float32), float32 or bfloat16: the dtype of the frozen copies
     (reference model, evaluation).  The trained policy always keeps float32 master weights and, on
@@ -208,7 +208,7 @@ def _registry(module: str, name: str):
 
 _CHOICES = {
     ("model", "arch"): _registry("atrctl.models", "ARCHS"),
-    ("model", "device"): lambda: ("auto", "cpu", "cuda"),
+    ("model", "device"): _registry("atrctl.models", "DEVICES"),
     ("model", "dtype"): _registry("atrctl.models", "DTYPES"),
     ("rollout", "backend"): _registry("atrctl.rollout", "ROLLOUT_BACKENDS"),
     ("algo", "advantage"): _registry("atrctl.advantages", "ADVANTAGE_ESTIMATORS"),
@@ -402,10 +402,8 @@ def load_recipe_with_flags(
 
     common = [f"{key}={value}" for key, value in flags.items() if value is not None]
     loss = load_recipe(path, [*common, *sets]).algo.loss
-    if loss in POLICY_LOSSES:
-        loss_args = flag_parameters(loss, max_kl3, eps, eps_high)
-    else:  # an unknown loss is refused by validate_algo with the list of registered ones
-        loss_args = {k: v for k, v in (("max_kl3", max_kl3), ("eps", eps), ("eps_high", eps_high)) if v is not None}
+    # an unknown loss gets no parameters: validate_algo refuses it with the list of registered ones
+    loss_args = flag_parameters(loss, max_kl3, eps, eps_high) if loss in POLICY_LOSSES else {}
     return load_recipe(path, [*common, *(f"algo.args.{key}={value}" for key, value in loss_args.items()), *sets])
 
 

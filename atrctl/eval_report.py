@@ -77,5 +77,5 @@ def write_eval(result: EvalResult, ks: Sequence[int], directory: Path, title: st
     figure.axes[0].legend(loc="lower right", fontsize=8)
     with atomic.atomic_path(png_path) as tmp:
         figure.savefig(tmp, format="png", dpi=130)
-    atomic.write_text(csv_path, frame.to_csv(index=False, float_format="%.6f"))  # last: it marks a finished evaluation
+    atomic.write_text(csv_path, frame.to_csv(index=False, float_format="%.6f"))  # last: rundir.has_evaluation
     return [csv_path, md_path, png_path]

@@ -17,9 +17,9 @@ import numpy as np
 
 from atrctl import distributed
 from atrctl.errors import UserError
-from atrctl.passk import EvalResult
+from atrctl.passk import EvalResult, default_ks
 from atrctl.rundir import RunDir
-from atrctl.tasks import Problem
+from atrctl.tasks import Problem, Task
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ def eval_target(
 
 def evaluate_target(
     spec: EvalTarget,
+    task: Task,
     problems: Sequence[Problem],
     *,
     n: int,
@@ -98,12 +99,10 @@ def evaluate_target(
     batch_size: int = 1024,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
-    """Load the target's model and evaluate it on `problems` of its task (the caller picks them, so that
-    a comparison gives every arm the same ones)."""
+    """Load the target's model and evaluate it on `problems` of `task` (the caller builds the task and picks
+    the problems once, so that a comparison gives every arm the same ones)."""
     from atrctl.models import load_model
-    from atrctl.tasks import get_task
 
-    task = get_task(spec.task, **spec.task_args)
     model, tokenizer = load_model(spec.model, device, spec.dtype)
     return evaluate_model(
         model,
@@ -142,10 +141,12 @@ def run_evaluation(
     from atrctl.tasks import get_task
 
     with distributed.process_group(resolve_device(device)):
-        picked = get_task(spec.task, **spec.task_args).problems(split, problems, spec.problem_seed)
+        task = get_task(spec.task, **spec.task_args)
+        picked = task.problems(split, problems, spec.problem_seed)
         set_cpu_threads(distributed.cpu_threads_per_rank())
         result = evaluate_target(
             spec,
+            task,
             picked,
             n=n,
             temperature=temperature,
@@ -162,6 +163,19 @@ def run_evaluation(
         except OSError as error:
             raise UserError(f"cannot write to {spec.directory} ({error.strerror}); use --out elsewhere") from None
         return result, setting, paths
+
+
+def parse_ks(text: str | None, n: int) -> list[int]:
+    """--k '1,2,4' -> [1, 2, 4] (sorted, distinct), each in [1, n]; None -> 1, 2, 4, ... and n."""
+    if text is None:
+        return default_ks(n)
+    try:
+        ks = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise UserError(f"--k {text!r}: give comma-separated integers, e.g. --k 1,2,4,8") from None
+    if ks[0] < 1 or ks[-1] > n:
+        raise UserError(f"--k {text!r}: every k must be between 1 and --n ({n}); raise --n or drop the larger k")
+    return ks
 
 
 def sample_chunks(problems: int, n: int, batch_size: int) -> list[range]:
@@ -212,7 +226,7 @@ def evaluate_model(
     rank, world = distributed.shard()
     prompt_ids = encode_prompts(tokenizer, problems, chat_template)
     device = next(model.parameters()).device
-    sampler = rollout_backend(backend, model, tokenizer, numerics(device))
+    sampler = rollout_backend(backend, model, tokenizer, numerics(device, autocast=False))  # the dtype loaded
 
     greedy: dict[int, bool] = {}
     blocks = [range(f, min(f + batch_size, len(problems))) for f in range(0, len(problems), batch_size)]

@@ -6,7 +6,7 @@ Every ratio-clip method here is one surrogate with a per-token interval [l_t, u_
     L_t = -min(w_t·A, clip(w_t, l_t, u_t)·A),    w_t = exp(logp_t - old_logp_t)
 
 and differs only in where l and u come from: a constant interval from
-`atrctl.divergence` (grpo, dapo, atr, k2, reverse-kl3, any divergence) or a per-token
+`atrctl.divergence` (grpo, dapo, atr, kl2, reverse-kl3, any divergence) or a per-token
 band from `atrctl.bands`.  GSPO and CISPO are the comparison baselines.
 
     from atrctl.losses import policy_loss
@@ -122,7 +122,7 @@ def _trust_region_loss(name: str, tokens: Tokens, *, dual_clip: float | None = N
 
     grpo: [1-ε, 1+ε] (PPO clip as used by GRPO, Shao et al., 2024, DeepSeekMath);
     dapo: [1-ε_low, 1+ε_high] (clip-higher, Yu et al., 2025); atr: {w - 1 - ln w <= max_kl3}
-    (the KL3 trust region); k2, reverse-kl3 and divergence(measure, delta): {D(w) <= δ}.
+    (the KL3 trust region); kl2, reverse-kl3 and divergence(measure, delta): {D(w) <= δ}.
     """
     low, high = _cached_region(name, tuple(sorted(region.items())))
     return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))

@@ -27,6 +27,7 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos
 # (0-8 reached >= 20% in 200-500 steps); 2 heads or the default 0.02 init left some seeds near 1% for 3000 steps.
 PRESETS = {"tiny": (64, 2, 4, 0.1), "small": (128, 2, 4, 0.02), "medium": (256, 4, 4, 0.02)}
 ARCHS = ("llama", "qwen2")
+DEVICES = ("auto", "cpu", "cuda")  # "auto" picks CUDA when present
 MAX_POSITIONS = 512
 
 
@@ -139,38 +140,41 @@ def resolve_device(name: str) -> torch.device:
         if name.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"device '{name}' requested but CUDA is not available: use --device cpu or auto")
         return torch.device(name)
-    raise UserError(f"unknown device '{name}': use auto, cpu or cuda")
+    raise UserError(f"unknown device '{name}': use {', '.join(DEVICES[:-1])} or {DEVICES[-1]}")
 
 
 @dataclass(frozen=True)
 class Numerics:
-    """How a device computes: the one place that decides bf16 versus float32.
+    """How forward passes compute on a device; `numerics()` is the one place that decides bf16 vs float32.
 
-    `dtype` is that of frozen copies (reference model, evaluation); the trained policy keeps float32
-    master weights and runs its forward passes under `autocast()`, which is bf16 exactly when `dtype` is.
+    `dtype` is that of frozen copies (reference model, evaluation) under model.dtype = "auto".
+    `autocast_dtype` is what a trained policy's float32 master weights compute in (bf16 on a capable GPU),
+    or None: the weights' own dtype, as evaluations want (they load the dtype they were asked for).
     """
 
     device: torch.device
     dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
 
     @property
     def autocast_enabled(self) -> bool:
-        import torch
-
-        return self.dtype == torch.bfloat16
+        return self.autocast_dtype is not None
 
     def autocast(self):
         import torch
 
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_enabled)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                              enabled=self.autocast_enabled)  # fmt: skip
 
 
-def numerics(device: torch.device) -> Numerics:
-    """bfloat16 on a CUDA device that supports it, float32 otherwise (CPU bf16 is not used yet)."""
+def numerics(device: torch.device, *, autocast: bool = True) -> Numerics:
+    """bfloat16 on a CUDA device that supports it, float32 otherwise (CPU bf16 is not used yet); with
+    autocast=False the forward passes keep the weights' dtype (evaluation, the warm-up's checks)."""
     import torch
 
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return Numerics(device, torch.bfloat16 if bf16 else torch.float32)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return Numerics(device, dtype, dtype if bf16 and autocast else None)
 
 
 DTYPES = ("auto", "float32", "bfloat16")

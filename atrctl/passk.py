@@ -43,21 +43,6 @@ def default_ks(n: int) -> list[int]:
     return ks if ks[-1] == n else [*ks, n]
 
 
-def parse_ks(text: str | None, n: int) -> list[int]:
-    """--k '1,2,4' -> [1, 2, 4] (sorted, distinct), each in [1, n]; None -> 1, 2, 4, ... and n."""
-    from atrctl.errors import UserError
-
-    if text is None:
-        return default_ks(n)
-    try:
-        ks = sorted({int(part) for part in text.split(",")})
-    except ValueError:
-        raise UserError(f"--k {text!r}: give comma-separated integers, e.g. --k 1,2,4,8") from None
-    if ks[0] < 1 or ks[-1] > n:
-        raise UserError(f"--k {text!r}: every k must be between 1 and --n ({n}); raise --n or drop the larger k")
-    return ks
-
-
 def _problem_means(values: np.ndarray) -> np.ndarray:
     """[P] or [S, P] -> [P]: resampling problems keeps each problem's seeds together, and the mean over all
     S×P entries of a resample equals the mean of these column means."""

@@ -70,7 +70,7 @@ class RunDir:
 
     @property
     def evaluated(self) -> bool:
-        return (self.eval / "passk.csv").is_file()
+        return has_evaluation(self.eval)
 
     def check_can_start(self, resume: bool, overwrite: bool) -> None:
         """Refuse to clobber a run: an existing directory needs resume (continue) or overwrite (replace)."""
@@ -161,6 +161,12 @@ class RunDir:
         self.write_summary(summary)
         shutil.rmtree(self.model, ignore_errors=True)
         staging.rename(self.model)
+
+
+def has_evaluation(directory: Path) -> bool:
+    """Whether `directory` (a run's eval/ or any --out folder) holds a complete evaluation: passk.csv is
+    written last of its three files."""
+    return (directory / "passk.csv").is_file()
 
 
 def environment(device: torch.device) -> dict[str, str]:

@@ -88,6 +88,7 @@ def _train(
     if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
         state = load_checkpoint(find_checkpoint(run_dir.checkpoint), run.model, run.optimizer)
         restore_rng(state)
+        run.sampler.load_weights(run.model)  # a backend that holds its own copy samples the resumed weights
         if main:
             run_dir.trim_metrics(state.step)
     elif main:

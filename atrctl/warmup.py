@@ -93,8 +93,8 @@ def warm_up(
     budget = answer_budget(tokenizer, held_out)
     order = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    compute = numerics(device)
-    sampler = HFSampler(model, tokenizer, compute)
+    compute = numerics(device)  # the SFT steps run under the device's autocast, as RL updates do
+    sampler = HFSampler(model, tokenizer, numerics(device, autocast=False))  # accuracy checks: as the weights are
 
     history: list[tuple[int, float]] = []
     accuracy, step, queue = 0.0, 0, torch.empty(0, dtype=torch.long)

@@ -144,15 +144,15 @@ def test_unknown_arm_is_one_line(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_shared_flags_become_the_parameters_of_each_arm_that_takes_them(tmp_path):
+def test_shared_flags_become_the_parameters_of_the_trust_regions_that_take_them(tmp_path):
     from atrctl.compare import plan_comparison
 
     comparison = plan_comparison(
-        ["grpo", "dapo", "atr", "kl2"], seeds=1, n=4, problems=8, jobs=1, recipe=load_recipe(None, FAST),
+        ["grpo", "dapo", "atr", "gspo"], seeds=1, n=4, problems=8, jobs=1, recipe=load_recipe(None, FAST),
         max_kl3=0.05, eps=0.1, eps_high=0.3, name=None, overwrite=False, results=tmp_path,
     )  # fmt: skip
     expected = {"grpo": {"eps": 0.1}, "dapo": {"eps_low": 0.1, "eps_high": 0.3}, "atr": {"max_kl3": 0.05}}
-    assert comparison.loss_args == expected  # kl2 takes none of them: it keeps its defaults
+    assert comparison.loss_args == expected  # gspo keeps its own, sequence-level ε
     assert json.loads((comparison.directory / "compare.json").read_text())["loss_args"] == expected
     assert sorted(p.name for p in comparison.directory.iterdir()) == ["compare.json"]  # nothing trained yet
 

@@ -205,8 +205,8 @@ def test_old_logprobs_are_recomputed_only_where_the_sampler_is_not_float32_exact
     and not under bf16 autocast (CUDA)."""
     tokenizer = build_char_tokenizer()
     cpu, cuda = (
-        HFSampler(None, tokenizer, Numerics(torch.device(name), dtype))
-        for name, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16))
+        HFSampler(None, tokenizer, Numerics(torch.device(name), dtype, autocast))
+        for name, dtype, autocast in (("cpu", torch.float32, None), ("cuda", torch.bfloat16, torch.bfloat16))
     )
 
     def algo(old_logprobs, minibatches=4):
