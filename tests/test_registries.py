@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from atrctl import config
+from atrctl import train as train_module
 from atrctl.advantages import ADVANTAGE_ESTIMATORS
 from atrctl.catalog import sections
 from atrctl.cli import main
@@ -135,3 +136,51 @@ def test_a_registered_loss_and_estimator_train_end_to_end(results, monkeypatch):
     assert ("sign", "A throwaway estimator: the sign of each reward's distance to its group mean.") in listed[
         "advantage estimators"
     ]
+
+
+def count_recomputed_logprobs(monkeypatch) -> list:
+    """A list that grows by one for every no-grad logprob pass the update runs over a mini-batch."""
+    calls, forward_pass = [], train_module.completion_logprobs
+    monkeypatch.setattr(train_module, "completion_logprobs", lambda *a, **k: calls.append(1) or forward_pass(*a, **k))
+    return calls
+
+
+class RecordingSampler:
+    """A second rollout backend, registered by name: the hf sampler behind a log of what the trainer asks.
+    It says its logprobs do not match the training pass, so the trainer must recompute them."""
+
+    calls: list = []
+
+    def __init__(self, model, tokenizer, numerics):
+        from atrctl.sampling import HFSampler
+
+        self.inner = HFSampler(model, tokenizer, numerics)
+
+    logprobs_match_training = False
+
+    def generate(self, prompt_ids, **kwargs):
+        RecordingSampler.calls.append(("generate", len(prompt_ids), kwargs["repeats"]))
+        return self.inner.generate(prompt_ids, **kwargs)
+
+    def load_weights(self, model):
+        RecordingSampler.calls.append(("load_weights",))
+        self.inner.load_weights(model)
+
+
+def test_a_registered_rollout_backend_is_chosen_by_the_recipe(results, monkeypatch):
+    monkeypatch.setitem(ROLLOUT_BACKENDS, "recording", f"{__name__}:RecordingSampler")
+    monkeypatch.setattr(RecordingSampler, "calls", [])
+    recomputed = count_recomputed_logprobs(monkeypatch)
+    train(recipe("rollout.backend=recording", "run.steps=2"), results / "recording", results=results)
+    calls = RecordingSampler.calls
+    # per step: the rollout (2 mini-batches of 2 prompts × G = 4, one sampling chunk), then the new weights
+    assert [c for c in calls if c[0] == "load_weights"] == [("load_weights",)] * 2
+    assert calls.count(("generate", 4, 4)) == 2
+    assert ("generate", 10, 1) in calls and ("generate", 10, 2) in calls  # held-out greedy and pass@1 samples
+    assert len(recomputed) == 4  # it said its logprobs differ: recomputed for each mini-batch of each step
+
+
+def test_the_hf_backend_reuses_its_own_logprobs_on_cpu(results, monkeypatch):
+    recomputed = count_recomputed_logprobs(monkeypatch)
+    train(recipe("run.steps=1"), results / "hf-reuse", results=results)
+    assert recomputed == []  # float32: the sampler's logprobs are the training pass's
