@@ -95,7 +95,10 @@ class RunDir:
 
         if not self.is_run:
             raise UserError(f"{self.path} has no config.toml: give a run directory such as results/<run>")
-        data = tomllib.loads(self.config.read_text(encoding="utf-8"))
+        try:
+            data = tomllib.loads(self.config.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+            raise UserError(f"{self.config} is not valid TOML ({error}): restore it, or start the run anew") from None
         data.pop("environment", None)
         return recipe_from_dict(data)
 
@@ -146,7 +149,15 @@ class RunDir:
     # ------------------------------------------------------------ summary.json and model/
 
     def read_summary(self) -> dict:
-        return json.loads(self.summary.read_text()) if self.summary.is_file() else {}
+        if not self.summary.is_file():
+            return {}
+        try:
+            summary = json.loads(self.summary.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise UserError(f"{self.summary} is not valid JSON ({error}): restore it, or start the run anew") from None
+        if not isinstance(summary, dict):
+            raise UserError(f"{self.summary} holds no JSON object: restore it, or start the run anew")
+        return summary
 
     def write_summary(self, summary: dict) -> None:
         atomic.write_text(self.summary, json.dumps(summary, indent=2) + "\n")

@@ -106,3 +106,14 @@ def test_starting_a_run_never_clobbers_one(tmp_path):
 def test_default_run_name():
     name = default_run_name(load_recipe(None, ["algo.loss=grpo", "run.seed=3"]))
     assert name.startswith("grpo-arith-s3-") and len(name) == len("grpo-arith-s3-") + len("20261201-092048")
+
+
+def test_a_corrupt_config_or_summary_is_one_clear_error(tmp_path):
+    run = RunDir(tmp_path)
+    run.config.write_text("[task\nname = ")
+    with pytest.raises(UserError, match="config.toml is not valid TOML"):
+        run.recipe()
+    for text, message in (('{"base": ', "not valid JSON"), ("[1, 2]", "no JSON object")):
+        run.summary.write_text(text)
+        with pytest.raises(UserError, match=message):
+            run.read_summary()
