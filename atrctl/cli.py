@@ -380,10 +380,10 @@ def compare(
     max_kl3: Annotated[float | None, typer.Option(help=f"δ of the atr arm \\[default: {DEFAULT_MAX_KL3}].")] = None,
     eps: Annotated[
         float | None,
-        typer.Option(help=f"ε of every arm that has one (grpo's eps, dapo's eps_low) \\[default: {DEFAULT_EPS}]."),
+        typer.Option(help=f"ε of the grpo and dapo arms (grpo's eps, dapo's eps_low) \\[default: {DEFAULT_EPS}]."),
     ] = None,
     eps_high: Annotated[
-        float | None, typer.Option(help=f"ε_high of the arms that have one \\[default: {DEFAULT_EPS_HIGH}].")
+        float | None, typer.Option(help=f"ε_high of the dapo arm \\[default: {DEFAULT_EPS_HIGH}].")
     ] = None,
     name: Annotated[str | None, typer.Option(help="results/compare-<name>/ \\[default: the arms joined by -].")] = None,
     recipe: RecipeOption = None,
