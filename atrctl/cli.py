@@ -214,7 +214,7 @@ def train(
     """Train a policy with GRPO, ATR-GRPO or another registered loss."""
     from atrctl import display, distributed
     from atrctl.config import load_recipe_with_flags
-    from atrctl.rundir import RunDir, default_run_name
+    from atrctl.rundir import RunDir, check_name, default_run_name
 
     display.quiet_libraries()
     flags = {
@@ -237,7 +237,7 @@ def train(
         results = resume.parent  # the run's own results folder holds its base
     else:
         config = load_recipe_with_flags(recipe, flags, list(set_ or []), *loss_flags)
-        run_dir = RunDir(results / (name or default_run_name(config)))
+        run_dir = RunDir(results / (check_name(name) if name is not None else default_run_name(config)))
 
     from atrctl.train import TrainingStopped, validate_algo
     from atrctl.train import train as run_training

@@ -27,7 +27,7 @@ from atrctl import atomic
 from atrctl.config import Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
 from atrctl.losses import POLICY_LOSSES
-from atrctl.rundir import RunDir
+from atrctl.rundir import RunDir, check_name, drop_aside, move_aside, restore_aside
 
 # advance(key, description, done, total, note): one progress line per key, made on its first call
 Progress = Callable[[str, str, int, int, str], None]
@@ -172,23 +172,21 @@ class Comparison:
 
 
 def prepare(comparison: Comparison, overwrite: bool) -> None:
-    """Create the comparison directory, or continue one made by the same command; anything else is refused."""
+    """Create the comparison directory, or continue one made by the same command; anything else is refused.
+    With `overwrite` the old one is replaced even when it is the same comparison (its runs are retrained)."""
     marker = comparison.directory / "compare.json"
     record = comparison.record()
-    if marker.is_file():
+    if marker.is_file() and not overwrite:
         if _same_record(json.loads(marker.read_text()), json.loads(json.dumps(record))):
             return  # the same comparison: finished runs are kept, interrupted ones resume
-        if not overwrite:
-            raise UserError(
-                f"{comparison.directory} holds a different comparison; pick another --name "
-                "or pass --overwrite to replace it"
-            )
+        raise UserError(
+            f"{comparison.directory} holds a different comparison; pick another --name "
+            "or pass --overwrite to replace it"
+        )
     elif comparison.directory.exists() and any(comparison.directory.iterdir()) and not overwrite:
         raise UserError(f"{comparison.directory} already exists; pick another --name or pass --overwrite")
-    if overwrite and comparison.directory.exists():
-        import shutil
-
-        shutil.rmtree(comparison.directory)
+    if overwrite:  # kept aside until the new comparison's runs are trained, restored if that fails
+        move_aside(comparison.directory)
     comparison.directory.mkdir(parents=True, exist_ok=True)
     atomic.write_text(marker, json.dumps(record, indent=2) + "\n")
 
@@ -309,9 +307,8 @@ def plan_comparison(
     for arm in arms:
         if arm.loss is not None:
             validate_algo(arm_recipe(recipe, arm, recipe.model.base, loss_args))
-    comparison = Comparison(
-        results / f"compare-{name or '-'.join(a.label for a in arms)}", arms, seeds, recipe, loss_args
-    )
+    label = check_name(name if name is not None else "-".join(a.label for a in arms))
+    comparison = Comparison(results / f"compare-{label}", arms, seeds, recipe, loss_args)
     prepare(comparison, overwrite)
     return comparison
 
@@ -345,25 +342,30 @@ def run_comparison(
             advance(key, description, done, total, note)
 
     recipe, started, seconds = comparison.recipe, time.perf_counter(), {}
-    phase = time.perf_counter()
-    base, _ = ensure_base(
-        recipe,
-        results,
-        lambda step, loss, acc: show("warmup", "warm-up base", step, recipe.warmup.max_steps, f"loss {loss:.3f}"),
-    )
-    base = str(Path(base).resolve()) if isinstance(base, Path) else base
-    seconds["base (warm-up or cache)"] = time.perf_counter() - phase
+    try:  # a comparison this one --overwrites comes back unless every run trains
+        phase = time.perf_counter()
+        base, _ = ensure_base(
+            recipe,
+            results,
+            lambda step, loss, acc: show("warmup", "warm-up base", step, recipe.warmup.max_steps, f"loss {loss:.3f}"),
+        )
+        base = str(Path(base).resolve()) if isinstance(base, Path) else base
+        seconds["base (warm-up or cache)"] = time.perf_counter() - phase
 
-    phase = time.perf_counter()
-    job_list = training_jobs(
-        comparison.arms, comparison.seeds, write_arm_recipes(comparison, base), comparison.directory / "runs"
-    )
-    total_steps, reused = len(job_list) * recipe.run.steps, sum(job.finished for job in job_list)
-    run_jobs(
-        job_list,
-        jobs,
-        lambda done: show("train", f"train {len(job_list)} runs", done, total_steps, f"{jobs} at a time"),
-    )
+        phase = time.perf_counter()
+        job_list = training_jobs(
+            comparison.arms, comparison.seeds, write_arm_recipes(comparison, base), comparison.directory / "runs"
+        )
+        total_steps, reused = len(job_list) * recipe.run.steps, sum(job.finished for job in job_list)
+        run_jobs(
+            job_list,
+            jobs,
+            lambda done: show("train", f"train {len(job_list)} runs", done, total_steps, f"{jobs} at a time"),
+        )
+    except BaseException:
+        restore_aside(comparison.directory)
+        raise
+    drop_aside(comparison.directory)
     seconds[f"training ({len(job_list)} runs, {jobs} at a time; {reused} reused from before)"] = (
         time.perf_counter() - phase
     )

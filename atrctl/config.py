@@ -277,8 +277,17 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
+SEED_LIMIT = 2**63  # seeds feed torch generators (64-bit) through formulas that stay below 2^64 for these
+
+
 def _check_value(section: str, key: str, value: Any) -> None:
     where = f"{section}.{key}"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{where} must be a finite number, got {value}")
+    if key == "seed" and not 0 <= value < SEED_LIMIT:
+        raise UserError(f"{where} must be an integer from 0 to 2^63 - 1, got {value}")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= SEED_LIMIT:
+        raise UserError(f"{where} = {value} is out of range: use a value below 2^63")
     if (section, key) in _CHOICES and value not in (choices := _CHOICES[section, key]()):
         raise UserError(f"{where} = {value!r} is not one of {', '.join(choices)}")
     if (section, key) in _POSITIVE and not (value > 0 and math.isfinite(value)):

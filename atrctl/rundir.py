@@ -103,12 +103,18 @@ class RunDir:
         return recipe_from_dict(data)
 
     def create(self, recipe: Recipe, environment: dict[str, str]) -> None:
-        """Start the directory afresh (an approved overwrite loses the old contents) with its config.toml."""
+        """Start the directory afresh with its config.toml.  An old run here (an approved --overwrite) is moved
+        aside, not deleted: the first logged step deletes it (`append_metrics`), and a failure before that
+        puts it back (`restore_replaced`)."""
         from atrctl.config import recipe_to_dict, to_toml
 
-        shutil.rmtree(self.path, ignore_errors=True)
+        move_aside(self.path)
         self.path.mkdir(parents=True)
         atomic.write_text(self.config, to_toml({**recipe_to_dict(recipe), "environment": environment}))
+
+    def restore_replaced(self) -> None:
+        """Undo `create`'s replacement, if the new run never logged a step."""
+        restore_aside(self.path)
 
     # ------------------------------------------------------------ metrics.jsonl
 
@@ -134,6 +140,7 @@ class RunDir:
     def append_metrics(self, record: dict) -> None:
         with open(self.metrics, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
+        drop_aside(self.path)  # the new run has started: the one it replaced can go
 
     def trim_metrics(self, step: int) -> None:
         """On resume, drop records after the checkpoint's step (they will be run again) and any torn line."""
@@ -203,6 +210,51 @@ def environment(device: torch.device) -> dict[str, str]:
         "threads": str(torch.get_num_threads()),
         "processes": str(distributed.world_size()),
     }
+
+
+# ------------------------------------------------------------ replacing a directory safely
+
+
+def aside(path: Path) -> Path:
+    """Where `move_aside` keeps the directory it replaces: a hidden sibling, inside the same results folder."""
+    return path.with_name(f".{path.name}.replaced")
+
+
+def move_aside(path: Path) -> None:
+    """Make room for a new `path` without losing the old one.  If an earlier replacement never finished, the
+    directory kept aside is the last good one, and what stands at `path` is the failed attempt."""
+    if aside(path).exists():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.rename(aside(path))
+
+
+def restore_aside(path: Path) -> None:
+    """Put the directory kept aside back in place of `path` (nothing to do if none is kept)."""
+    if aside(path).exists():
+        shutil.rmtree(path, ignore_errors=True)
+        aside(path).rename(path)
+
+
+def drop_aside(path: Path) -> None:
+    """The replacement has started: delete the directory kept aside."""
+    if aside(path).exists():
+        shutil.rmtree(aside(path))
+
+
+MAX_NAME_BYTES = 200  # file systems allow 255 per path component; staging names add a few
+
+
+def check_name(name: str, flag: str = "--name") -> str:
+    """A run (or comparison) name is one plain path component, so the run stays inside its results folder:
+    no separators, not "." or "..", no leading dot (hidden and staging names), at most MAX_NAME_BYTES."""
+    separators = {"/", "\\", "\0"}
+    if not name or name in (".", "..") or name.startswith(".") or separators & set(name) or name != name.strip():
+        raise UserError(f"{flag} {name!r} is not a plain name: use letters, digits, '-', '_' or '.' (not first), "
+                        "no '/'; runs live in --results")  # fmt: skip
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise UserError(f"{flag} is {len(name.encode())} bytes long: use at most {MAX_NAME_BYTES}")
+    return name
 
 
 def default_run_name(recipe: Recipe) -> str:

@@ -92,7 +92,20 @@ def _train(
         if main:
             run_dir.trim_metrics(state.step)
     elif main:
-        run_dir.create(recipe, environment(run.device))  # only an approved --overwrite finds files here
+        run_dir.create(recipe, environment(run.device))  # an old run (approved --overwrite) is moved aside
+    try:
+        return _run_steps(run, state, resume, on_step, summary_writer)
+    except BaseException:
+        if main:
+            run_dir.restore_replaced()  # the new run logged no step: the one it was to replace comes back
+        raise
+
+
+def _run_steps(
+    run: Run, state: TrainState, resume: bool, on_step: Callable[[dict[str, float]], None] | None, summary_writer
+) -> dict | None:
+    """The loop: the base's held-out figures, then RL steps with logging, checkpoints and clean stops."""
+    recipe, run_dir, main = run.recipe, run.run_dir, distributed.is_main()
     writer = summary_writer(str(run_dir.tensorboard)) if summary_writer else None
 
     def checkpoint() -> None:
@@ -435,6 +448,11 @@ def validate_algo(recipe: Recipe, world: int | None = None) -> None:
             algo=algo.loss,
             agg=algo.agg,
             max_new_tokens=recipe.rollout.max_new_tokens,
+            ref_logp=probe if algo.beta > 0 else None,
+            beta=algo.beta,
+            kl_estimator=algo.kl_estimator,
+            entropy=probe,
+            entropy_coef=algo.entropy_coef,
             **algo.args,
         )
     except ValueError as error:
@@ -501,7 +519,7 @@ def prompts_for_step(pool_size: int, step: int, prompts: int, seed: int) -> list
     for position in range(step * prompts, (step + 1) * prompts):
         epoch, offset = divmod(position, pool_size)
         if epoch not in permutations:
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)  # as ever below 2^63
             permutations[epoch] = torch.randperm(pool_size, generator=generator).tolist()
         indices.append(permutations[epoch][offset])
     return indices

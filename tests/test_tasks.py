@@ -279,3 +279,19 @@ def test_bad_requests_raise_user_error():
         get_task("countdown").problems("train", None, 0)
     with pytest.raises(UserError, match="lower n or raise the limits"):
         get_task("countdown", count=2, max_number=2).problems("train", 50, 0)
+
+
+def test_verifiers_read_ascii_digits_only():
+    """Other scripts' digits (Arabic-Indic ٣, fullwidth ３) are not numbers in these tasks' answers."""
+    arith = get_task("arith")
+    problem = arith.problems("test", 1, 0)[0]
+    answer = problem.answer
+    assert arith.score(problem, answer).reward == 1
+    for digits in ("٠١٢٣٤٥٦٧٨٩", "０１２３４５６７８９"):
+        foreign = "".join(digits[int(c)] if c.isdigit() else c for c in answer)
+        assert arith.score(problem, foreign).reward == 0 and arith.score(problem, foreign).parsed is None
+    countdown = get_task("countdown")
+    problem = countdown.problems("test", 1, 0)[0]
+    assert countdown.score(problem, problem.solution).reward == 1
+    foreign = "".join("٠١٢٣٤٥٦٧٨٩"[int(c)] if c.isdigit() else c for c in problem.solution)
+    assert countdown.score(problem, foreign).reward == 0

@@ -19,7 +19,7 @@ OPS = "+-*"
 ENUMERATE_LIMIT = 30_000  # spaces up to this size are listed in full (digits <= 2); larger ones are sampled
 MAX_ANSWER_DIGITS = 40
 
-_LEADING_INT = re.compile(r" *(-?\d+)")
+_LEADING_INT = re.compile(r" *(-?[0-9]+)")  # ASCII digits only: "٣" or "３" is no answer
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from fractions import Fraction
 MAX_CHARS = 64
 MAX_DEPTH = 8
 
-_TOKEN = re.compile(r" *(?:(\d+)|([-+*/()]))")
+_TOKEN = re.compile(r" *(?:([0-9]+)|([-+*/()]))")  # ASCII digits only, as the prompts use
 
 
 class ExprError(ValueError):

@@ -1,0 +1,119 @@
+"""Nothing lost, nowhere else touched: hostile run names and late-caught bad values leave every file as it
+was (the whole working tree is hashed before and after), and an --overwrite that fails puts the old run back."""
+
+import hashlib
+import os
+
+import pytest
+
+from atrctl import train as train_module
+from atrctl.cli import main
+from atrctl.compare import Arm, Comparison, prepare
+from atrctl.config import load_recipe
+from atrctl.rundir import aside, restore_aside
+from atrctl.train import train
+
+FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
+        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
+        "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "run.steps=2", "algo.minibatches=1"]  # fmt: skip
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def recipe(*overrides):
+    return load_recipe(None, [*FAST, *overrides])
+
+
+def tree(folder):
+    """Every file and directory below `folder` with a hash of its bytes."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(root, name), folder)] = "dir"
+        for name in files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, folder)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    """A working directory two levels down (so `..` escapes stay inside tmp_path) holding results/ with an
+    existing run `good`."""
+    cwd = tmp_path / "outer" / "cwd"
+    (cwd / "results" / "good").mkdir(parents=True)
+    (cwd / "results" / "good" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (cwd / "keep.txt").write_text("the user's own file\n")
+    monkeypatch.chdir(cwd)
+    return tmp_path
+
+
+def refused(capsys, argv, fragment):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert fragment in err, err
+
+
+NAMES = ["..", ".", "../x", "/tmp/atrctl-absolute", "a/b", ".hidden", "x" * 300, "", " padded"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_run_name_that_is_not_a_plain_name_is_refused_and_touches_nothing(workspace, capsys, name, command):
+    before = tree(workspace)
+    arms = ["grpo", "atr"] if command == "compare" else []
+    refused(capsys, [command, *arms, "--name", name, "--overwrite", "--steps", "1", "--results", "results"], "--name")
+    assert tree(workspace) == before
+    assert not os.path.exists("/tmp/atrctl-absolute")
+
+
+LATE = [
+    (["--set", "algo.entropy_coef=nan"], "finite"),
+    (["--set", "algo.beta=inf"], "finite"),
+    (["--seed", str(2**70)], "2^63"),
+    (["--set", "eval.seed=-1"], "2^63"),
+    (["--set", "rollout.prompts=100000000000000000000"], "2^63"),
+    (["--lr", "nan"], "finite"),
+]
+
+
+@pytest.mark.parametrize(("extra", "fragment"), LATE)
+def test_values_caught_late_before_are_caught_before_anything_is_touched(workspace, capsys, extra, fragment):
+    before = tree(workspace)
+    refused(capsys, ["train", "--name", "good", "--overwrite", "--steps", "1", *extra], fragment)
+    assert tree(workspace) == before
+
+
+def test_an_overwrite_whose_new_run_fails_puts_the_old_run_back(results, monkeypatch):
+    old = results / "replaced"
+    train(recipe("run.steps=1"), old, results=results)
+    before = tree(old)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(train_module, "train_step", fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        train(recipe(), old, results=results, overwrite=True)
+    assert tree(old) == before and not aside(old).exists()
+
+
+def test_an_overwrite_drops_the_old_run_once_the_new_one_has_logged_a_step(results):
+    old = results / "dropped"
+    train(recipe("run.steps=1"), old, results=results)
+    train(recipe("run.steps=2"), old, results=results, overwrite=True)
+    assert not aside(old).exists() and len((old / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_compare_overwrite_replaces_even_the_same_comparison_and_can_put_it_back(tmp_path):
+    comparison = Comparison(tmp_path / "compare-x", [Arm("grpo", "grpo"), Arm("atr", "atr")], 1, recipe(), {})
+    prepare(comparison, overwrite=False)
+    (comparison.directory / "runs").mkdir()
+    before = tree(comparison.directory)
+    prepare(comparison, overwrite=False)  # the same comparison: kept as it is, to resume
+    assert tree(comparison.directory) == before
+    prepare(comparison, overwrite=True)  # replaced: its runs will be retrained
+    assert sorted(os.listdir(comparison.directory)) == ["compare.json"] and aside(comparison.directory).is_dir()
+    restore_aside(comparison.directory)  # what run_comparison does when the new one fails before training ends
+    assert tree(comparison.directory) == before and not aside(comparison.directory).exists()
