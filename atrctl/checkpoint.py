@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from atrctl import atomic
@@ -36,6 +39,7 @@ class TrainState:
     skipped_steps: int = 0  # all skipped steps
     torch_rng: list[int] = field(default_factory=list)
     python_rng: list = field(default_factory=list)
+    recipe: dict = field(default_factory=dict)  # the recipe trained with, so a resume can refuse an edited one
 
 
 def capture_rng(state: TrainState) -> None:
@@ -85,7 +89,12 @@ def find_checkpoint(directory: Path) -> Path | None:
 def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
     """Load weights and optimiser state in place; return the saved TrainState."""
     device = next(model.parameters()).device
-    weights = load_file(directory / "model.safetensors", device=str(device))
+    state = read_state(directory)
+    try:
+        weights = load_file(directory / "model.safetensors", device=str(device))
+    except (OSError, SafetensorError) as error:
+        raise UserError(f"{directory / 'model.safetensors'} is missing or damaged ({error}); the run cannot resume "
+                        "from it") from None  # fmt: skip
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:  # a checkpoint of another model: never resume from half of it
         names = ", ".join((missing or unexpected)[:3])
@@ -93,8 +102,32 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
             f"checkpoint {directory} does not match the model ({'missing' if missing else 'unexpected'} "
             f"weights: {names}); resume with the recipe the run was started with"
         )
-    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=device, weights_only=True))
-    return TrainState(**json.loads((directory / "state.json").read_text()))
+    try:
+        with warnings.catch_warnings():  # a damaged file is reported below, in one line, not as torch's warning
+            warnings.simplefilter("ignore", UserWarning)
+            saved = torch.load(directory / "optimizer.pt", map_location=device, weights_only=True)
+        optimizer.load_state_dict(saved)
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"{directory / 'optimizer.pt'} is missing or damaged ({reason}); the run cannot resume "
+                        "from it") from None  # fmt: skip
+    return state
+
+
+def read_state(directory: Path) -> TrainState:
+    """The TrainState saved in directory/state.json; a file that is not one is a UserError naming it."""
+    path = Path(directory) / "state.json"
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or "step" not in data:
+            raise TypeError("no step recorded")
+        state = TrainState(**data)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as error:
+        raise UserError(f"{path} is not a training state ({error}); the run cannot resume from it") from None
+    counters = (state.step, state.bad_steps, state.skipped_steps)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counters):
+        raise UserError(f"{path} is not a training state (step and counters must be integers >= 0)")
+    return state
 
 
 def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

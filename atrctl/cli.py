@@ -274,7 +274,7 @@ def train(
         raise typer.Exit(130) from None
     except TrainingStopped as error:
         if main_rank:
-            stderr.print(f"error: {error}", markup=False)
+            stderr.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     if summary is None:  # a rank other than 0
         return

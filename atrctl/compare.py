@@ -177,7 +177,11 @@ def prepare(comparison: Comparison, overwrite: bool) -> None:
     marker = comparison.directory / "compare.json"
     record = comparison.record()
     if marker.is_file() and not overwrite:
-        if _same_record(json.loads(marker.read_text()), json.loads(json.dumps(record))):
+        try:
+            recorded = json.loads(marker.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            recorded = None  # damaged: not this comparison, so it is refused below unless overwritten
+        if _same_record(recorded, json.loads(json.dumps(record))):
             return  # the same comparison: finished runs are kept, interrupted ones resume
         raise UserError(
             f"{comparison.directory} holds a different comparison; pick another --name "
@@ -197,7 +201,7 @@ def _same_record(recorded: dict, current: dict) -> bool:
 
     try:
         recorded = {**recorded, "recipe": recipe_to_dict(recipe_from_dict(recorded["recipe"]))}
-    except (UserError, KeyError, TypeError):
+    except (UserError, KeyError, TypeError, AttributeError):
         return False
     return recorded == current
 

@@ -91,6 +91,7 @@ def load_model(
     The tokenizer always has a pad token (its EOS when it has none) and pads on the left, the side
     generation needs; atrctl's sampler pads prompts itself, so this only matters to other callers.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_device = resolve_device(device)
@@ -103,7 +104,7 @@ def load_model(
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, SafetensorError) as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise UserError(
                 f"model '{name_or_path}' could not be loaded ({reason}): give a preset "

@@ -67,6 +67,11 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> 
     return [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths, strict=True)]
 
 
+class NonFiniteProbabilities(RuntimeError):
+    """A backend raises this when the policy's next-token probabilities are NaN or infinite: the policy has
+    diverged, which the trainer turns into a clean stop instead of a crash."""
+
+
 class RolloutBackend(Protocol):
     """What the trainer and the evaluators need from a generation engine.
 
@@ -90,7 +95,8 @@ class RolloutBackend(Protocol):
         greedy: bool = False,
         generator: torch.Generator | None = None,
     ) -> Rollout:
-        """`repeats` completions per prompt (rows prompt-major); the same generator state gives the same tokens."""
+        """`repeats` completions per prompt (rows prompt-major); the same generator state gives the same tokens.
+        Raises NonFiniteProbabilities when the policy's probabilities are not finite."""
         ...
 
     def load_weights(self, model: PreTrainedModel) -> None:

@@ -119,15 +119,18 @@ class RunDir:
     # ------------------------------------------------------------ metrics.jsonl
 
     def read_metrics(self) -> list[dict]:
-        """Every logged record, in order; a line cut short by a crash mid-write is not a record."""
+        """Every logged record, in order; a line cut short by a crash mid-write (or anything else that is not
+        a JSON object with an integer step) is not a record."""
         if not self.metrics.is_file():
             return []
         records = []
-        for line in self.metrics.read_text().splitlines():
+        for line in self.metrics.read_text(errors="replace").splitlines():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):  # else not one of ours
+                records.append(record)
         return records
 
     def steps_logged(self) -> int:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atrctl.errors import UserError
-from atrctl.rollout import Rollout, left_pad, position_ids
+from atrctl.rollout import NonFiniteProbabilities, Rollout, left_pad, position_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -105,7 +105,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
 
 def _check_totals(total: torch.Tensor) -> None:
     if not bool((torch.isfinite(total) & (total > 0)).all()):
-        raise RuntimeError("sampling probabilities are NaN, infinite or all zero: the model's logits are not finite")
+        raise NonFiniteProbabilities(
+            "sampling probabilities are NaN, infinite or all zero: the model's logits are not finite"
+        )
 
 
 def preallocated_cache(model: PreTrainedModel, capacity: int):

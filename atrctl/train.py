@@ -26,13 +26,21 @@ import torch
 from atrctl import distributed
 from atrctl.advantages import group_advantages
 from atrctl.batching import concat_rollouts, micro_parts, parts, rank_positions, rollout_seed, rows, sampling_chunks
-from atrctl.checkpoint import TrainState, capture_rng, find_checkpoint, load_checkpoint, restore_rng, save_checkpoint
-from atrctl.config import AlgoConfig, Recipe
+from atrctl.checkpoint import (
+    TrainState,
+    capture_rng,
+    find_checkpoint,
+    load_checkpoint,
+    read_state,
+    restore_rng,
+    save_checkpoint,
+)
+from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, metric_reduction, policy_loss
 from atrctl.models import Numerics
-from atrctl.rollout import Rollout, RolloutBackend, decode_completions
+from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
 from atrctl.rundir import RunDir, environment
 from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
 from atrctl.tasks import Problem, get_task, problem_pool
@@ -41,7 +49,15 @@ PROMPT_POOL = 20_000  # distinct train prompts cycled through in a seeded order
 
 
 class TrainingStopped(Exception):
-    """Too many consecutive non-finite steps: the run stops with a valid checkpoint."""
+    """Too many consecutive non-finite steps, or a diverged policy: the run stops with a valid checkpoint."""
+
+
+class PolicyDiverged(Exception):
+    """The policy's sampling probabilities became non-finite at RL step `step` (1-based)."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
 
 
 # ----------------------------------------------------------------- the loop
@@ -84,9 +100,10 @@ def _train(
         run_dir.check_can_start(resume, overwrite)
     summary_writer = _tensorboard_writer() if recipe.run.tensorboard and main else None
     run = build_run(recipe, run_dir, results, on_warmup)
-    state = TrainState()
+    state = TrainState(recipe=recipe_to_dict(recipe))
     if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
         state = load_checkpoint(find_checkpoint(run_dir.checkpoint), run.model, run.optimizer)
+        _check_same_recipe(state, recipe, run_dir)
         restore_rng(state)
         run.sampler.load_weights(run.model)  # a backend that holds its own copy samples the resumed weights
         if main:
@@ -131,7 +148,10 @@ def _run_steps(
     started = time.perf_counter()
     with _StopRequest() as stop:
         while state.step < recipe.run.steps:
-            record, finite = train_step(run, state.step)
+            try:
+                record, finite = train_step(run, state.step)
+            except PolicyDiverged as diverged:  # its weights are not saved: the last checkpoint stays the resume point
+                raise TrainingStopped(_divergence_message(run, diverged.step)) from None
             state.step += 1
             if finite:
                 state.bad_steps = 0
@@ -160,6 +180,32 @@ def _run_steps(
     return _finish(run, state, base_eval, time.perf_counter() - started) if main else None
 
 
+def _check_same_recipe(state: TrainState, recipe: Recipe, run_dir: RunDir) -> None:
+    """A resume continues the run its checkpoint was trained as: an edited config.toml is refused, naming what
+    changed.  A checkpoint that recorded no recipe (older ones) is taken as it is."""
+    if not state.recipe:
+        return
+    saved = recipe_to_dict(recipe_from_dict(state.recipe))  # keys added since then take their defaults
+    now = recipe_to_dict(recipe)
+    changed = [f"{section}.{key}: {saved[section][key]!r} → {now[section][key]!r}" for section in now
+               for key in now[section] if saved.get(section, {}).get(key) != now[section][key]]  # fmt: skip
+    if changed:
+        raise UserError(f"{run_dir.config} no longer matches the recipe its checkpoint was trained with "
+                        f"({'; '.join(changed)}): restore it, or start a new run")  # fmt: skip
+    state.recipe = now
+
+
+def _divergence_message(run: Run, step: int) -> str:
+    last = find_checkpoint(run.run_dir.checkpoint)
+    saved = (
+        f"the checkpoint in {last} (step {read_state(last).step}) holds the last saved weights"
+        if last
+        else ("no checkpoint was saved yet")
+    )
+    return (f"the policy diverged: sampling at step {step} met non-finite probabilities (optim.lr = "
+            f"{run.recipe.optim.lr:g}); {saved}; train again with a lower optim.lr")  # fmt: skip
+
+
 def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dict:
     """Save the final model in Hugging Face format with the headline figures."""
     summary = {
@@ -184,7 +230,13 @@ def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
     """One RL step: its metrics (docs/design.md §3, plus where the time went) and whether it was finite."""
     clock = Stopwatch(run.device)
     started = time.perf_counter()
-    rollout, rewards, _ = rollout_step(run, step, clock)  # rewards: [prompts on this rank, G]
+    try:
+        rollout, rewards, _ = rollout_step(run, step, clock)  # rewards: [prompts on this rank, G]
+        diverged = False
+    except NonFiniteProbabilities:
+        diverged = True
+    if distributed.all_max(torch.tensor(float(diverged), device=run.device)).item():  # every rank stops together
+        raise PolicyDiverged(step + 1)
     advantages, _ = group_advantages(rewards, run.recipe.algo.advantage)  # [prompts, G] -> rows by flatten
     metrics, finite = update_step(run, rollout, advantages.flatten().to(run.device), step, clock)
     run.sampler.load_weights(run.model)  # the next rollout samples from the updated policy

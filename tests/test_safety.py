@@ -2,6 +2,7 @@
 was (the whole working tree is hashed before and after), and an --overwrite that fails puts the old run back."""
 
 import hashlib
+import json
 import os
 
 import pytest
@@ -117,3 +118,61 @@ def test_compare_overwrite_replaces_even_the_same_comparison_and_can_put_it_back
     assert sorted(os.listdir(comparison.directory)) == ["compare.json"] and aside(comparison.directory).is_dir()
     restore_aside(comparison.directory)  # what run_comparison does when the new one fails before training ends
     assert tree(comparison.directory) == before and not aside(comparison.directory).exists()
+
+
+def test_a_diverging_policy_stops_cleanly_with_one_line(results, capsys):
+    sets = [
+        flag for item in [*FAST, "run.steps=6", "run.checkpoint_every=1", "optim.lr=1e10"] for flag in ("--set", item)
+    ]
+    assert main(["train", "--name", "diverged", "--results", str(results), *sets]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the policy diverged: sampling at step") and "\n" not in err, err
+    assert "lower optim.lr" in err and "Traceback" not in err
+    state = json.loads((results / "diverged" / "checkpoint" / "state.json").read_text())
+    assert f"(step {state['step']})" in err  # the checkpoint it names is the one on disk
+
+
+def damage(run, how):
+    checkpoint = run / "checkpoint"
+    if how == "truncated weights":
+        data = (checkpoint / "model.safetensors").read_bytes()
+        (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "random weights":
+        (checkpoint / "model.safetensors").write_bytes(os.urandom(4096))
+    elif how == "no optimiser":
+        (checkpoint / "optimizer.pt").unlink()
+    elif how == "garbage optimiser":
+        (checkpoint / "optimizer.pt").write_bytes(b"\x80\x04not a pickle")
+    elif how.startswith("state "):
+        (checkpoint / "state.json").write_text(how.removeprefix("state "))
+    elif how == "config edited":
+        config = run / "config.toml"
+        config.write_text(config.read_text().replace('loss = "atr"', 'loss = "grpo"'))
+    elif how == "config garbage":
+        (run / "config.toml").write_text("[task\n")
+
+
+@pytest.mark.parametrize(
+    ("how", "fragment"),
+    [
+        ("truncated weights", "model.safetensors is missing or damaged"),
+        ("random weights", "model.safetensors is missing or damaged"),
+        ("no optimiser", "optimizer.pt is missing or damaged"),
+        ("garbage optimiser", "optimizer.pt is missing or damaged"),
+        ("state {}", "state.json is not a training state"),
+        ("state {garbage", "state.json is not a training state"),
+        ('state {"step": "3"}', "state.json is not a training state"),
+        ('state {"step": 2, "extra": 1}', "state.json is not a training state"),
+        ("config edited", "no longer matches the recipe its checkpoint was trained with (algo.loss: 'atr' → 'grpo')"),
+        ("config garbage", "config.toml is not valid TOML"),
+    ],
+)
+def test_a_damaged_run_is_one_line_on_resume_and_stays_as_it_was(results, capsys, how, fragment):
+    run = results / f"damaged-{hashlib.sha256(how.encode()).hexdigest()[:8]}"
+    train(recipe("run.steps=2", "run.checkpoint_every=1"), run, results=results)
+    (run / "model").rename(run / "unfinished")  # a run stopped before the end, to be resumed
+    damage(run, how)
+    before = tree(results)
+    capsys.readouterr()  # what training the run printed
+    refused(capsys, ["train", "--resume", str(run)], fragment)
+    assert tree(results) == before
