@@ -20,6 +20,7 @@ from pathlib import Path
 
 from atrctl import atomic
 from atrctl.config import Recipe
+from atrctl.errors import UserError
 from atrctl.models import CHAR_ALPHABET, PRESETS
 
 BASE_FORMAT = 1  # bump when the warm-up procedure changes what a key produces
@@ -85,13 +86,18 @@ def ensure_base(
     from atrctl.warmup import warm_up
 
     task = get_task(recipe.task.name, **recipe.task.args)
+    try:  # before the warm-up, not after it
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(target.parent, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as error:
+        raise UserError(f"cannot write to {target.parent} ({error.strerror}); choose a writable --results") from None
     set_cpu_threads()
     tokenizer = build_char_tokenizer()
     model = build_model(recipe.model.base, tokenizer, arch=recipe.model.arch, seed=recipe.warmup.seed)
     model.to(resolve_device(recipe.model.device))
     result = warm_up(model, tokenizer, task, recipe.warmup, on_progress)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         model.to("cpu").save_pretrained(staging)

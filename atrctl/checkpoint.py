@@ -57,6 +57,8 @@ def restore_rng(state: TrainState) -> None:
 def save_checkpoint(directory: Path, model, optimizer, state: TrainState) -> None:
     """Write the checkpoint to a staging directory, then swap it in for the old one."""
     directory = Path(directory)
+    for stale in directory.parent.glob(f".{directory.name}.*"):  # left by a save killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)  # (safe: a run has one writer, `rundir.exclusive`)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}

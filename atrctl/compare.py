@@ -13,9 +13,11 @@ training, evaluation, report) and reports progress through a callback, so the CL
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +29,7 @@ from atrctl import atomic
 from atrctl.config import Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
 from atrctl.losses import POLICY_LOSSES
-from atrctl.rundir import RunDir, check_name, drop_aside, move_aside, restore_aside
+from atrctl.rundir import RunDir, check_name, drop_aside, exclusive, move_aside, restore_aside
 
 # advance(key, description, done, total, note): one progress line per key, made on its first call
 Progress = Callable[[str, str, int, int, str], None]
@@ -129,7 +131,9 @@ def run_jobs(jobs: Sequence[Job], parallel: int, on_progress: Callable[[int], No
                 job = pending.pop(0)
                 job.log.parent.mkdir(parents=True, exist_ok=True)
                 with job.log.open("w") as log:
-                    job.process = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                    job.process = subprocess.Popen(
+                        job.command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_end_with_parent
+                    )
                 running.append(job)
             time.sleep(0.5)
             for job in [j for j in running if j.process.poll() is not None]:
@@ -147,6 +151,15 @@ def run_jobs(jobs: Sequence[Job], parallel: int, on_progress: Callable[[int], No
             job.process.terminate()
         for job in running:
             job.process.wait()
+
+
+def _end_with_parent() -> None:
+    """In a training child, before it runs: SIGTERM it when compare dies, even by SIGKILL, so no run is left
+    training alone (Linux's PR_SET_PDEATHSIG; the child then checkpoints and stops as on Ctrl-C)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the children outlive a killed compare, as before
+        pass
 
 
 # ------------------------------------------------------------------ the comparison
@@ -307,6 +320,9 @@ def plan_comparison(
         if value < 1:
             raise UserError(f"{flag} must be at least 1 (got {value})")
     arms = parse_arms(arm_names)
+    from atrctl.tasks import get_task
+
+    get_task(recipe.task.name, **recipe.task.args).problems("test", problems, recipe.eval.seed)  # enough of them?
     loss_args = trust_region_args(max_kl3, eps, eps_high)
     for arm in arms:
         if arm.loss is not None:
@@ -330,8 +346,26 @@ def run_comparison(
     """Warm up (or reuse) the base, train every (arm, seed), evaluate every final model and write the report.
 
     Returns the table rows and the k's.  Every part resumes: finished runs are kept, interrupted ones
-    continue from their checkpoints, and rerunning the same plan redoes only what is missing.
+    continue from their checkpoints, and rerunning the same plan redoes only what is missing.  One
+    process at a time: a second one on the same comparison is refused.
     """
+    with exclusive(comparison.directory):
+        return _run_comparison(
+            comparison, n=n, problems=problems, jobs=jobs, results=results, command=command, advance=advance
+        )
+
+
+def _run_comparison(
+    comparison: Comparison,
+    *,
+    n: int,
+    problems: int,
+    jobs: int,
+    results: Path,
+    command: str,
+    advance: Progress | None = None,
+) -> tuple[list[dict], list[int]]:
+    """The body of `run_comparison`, under the comparison's write lock."""
     from atrctl.base_cache import ensure_base
     from atrctl.compare_report import write_report
     from atrctl.config import recipe_to_dict, to_toml

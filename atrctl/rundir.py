@@ -15,10 +15,14 @@ docs/design.md §5 has the meaning of every file.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -213,6 +217,37 @@ def environment(device: torch.device) -> dict[str, str]:
         "threads": str(torch.get_num_threads()),
         "processes": str(distributed.world_size()),
     }
+
+
+# ------------------------------------------------------------ one writer at a time
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold the write lock of a run or comparison directory for the block: a second process that asks for it
+    is refused with one line.  An OS lock (flock) on a hidden sibling file, so a killed holder never leaves
+    a stale lock behind."""
+    lock = path.with_name(f".{path.name}.lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock, "a+")  # closed by the with below
+    except OSError as error:
+        raise UserError(f"cannot write to {lock.parent} ({error.strerror}); choose a writable --results") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise UserError(f"{path} is being written by {holder}: wait for it to finish, or stop it") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)  # before the unlock, so the next holder makes a fresh file
 
 
 # ------------------------------------------------------------ replacing a directory safely

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, metric_reduction, policy_loss
 from atrctl.models import Numerics
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
-from atrctl.rundir import RunDir, environment
+from atrctl.rundir import RunDir, environment, exclusive
 from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
 from atrctl.tasks import Problem, get_task, problem_pool
 
@@ -100,22 +100,23 @@ def _train(
         run_dir.check_can_start(resume, overwrite)
     summary_writer = _tensorboard_writer() if recipe.run.tensorboard and main else None
     run = build_run(recipe, run_dir, results, on_warmup)
-    state = TrainState(recipe=recipe_to_dict(recipe))
-    if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
-        state = load_checkpoint(find_checkpoint(run_dir.checkpoint), run.model, run.optimizer)
-        _check_same_recipe(state, recipe, run_dir)
-        restore_rng(state)
-        run.sampler.load_weights(run.model)  # a backend that holds its own copy samples the resumed weights
-        if main:
-            run_dir.trim_metrics(state.step)
-    elif main:
-        run_dir.create(recipe, environment(run.device))  # an old run (approved --overwrite) is moved aside
-    try:
-        return _run_steps(run, state, resume, on_step, summary_writer)
-    except BaseException:
-        if main:
-            run_dir.restore_replaced()  # the new run logged no step: the one it was to replace comes back
-        raise
+    with exclusive(run_dir.path) if main else nullcontext():  # one writer per run directory
+        state = TrainState(recipe=recipe_to_dict(recipe))
+        if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
+            state = load_checkpoint(find_checkpoint(run_dir.checkpoint), run.model, run.optimizer)
+            _check_same_recipe(state, recipe, run_dir)
+            restore_rng(state)
+            run.sampler.load_weights(run.model)  # a backend that holds its own copy samples the resumed weights
+            if main:
+                run_dir.trim_metrics(state.step)
+        elif main:
+            run_dir.create(recipe, environment(run.device))  # an old run (approved --overwrite) is moved aside
+        try:
+            return _run_steps(run, state, resume, on_step, summary_writer)
+        except BaseException:
+            if main:
+                run_dir.restore_replaced()  # the new run logged no step: the one it was to replace comes back
+            raise
 
 
 def _run_steps(

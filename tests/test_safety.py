@@ -176,3 +176,70 @@ def test_a_damaged_run_is_one_line_on_resume_and_stays_as_it_was(results, capsys
     capsys.readouterr()  # what training the run printed
     refused(capsys, ["train", "--resume", str(run)], fragment)
     assert tree(results) == before
+
+
+def test_a_second_writer_is_refused_with_one_line(results, capsys):
+    from atrctl.rundir import exclusive
+
+    run = results / "locked"
+    with exclusive(run):  # another process holds it; the lock is per open file, so this one counts as another
+        sets = [flag for item in FAST for flag in ("--set", item)]
+        before = tree(results)
+        refused(capsys, ["train", "--name", "locked", "--results", str(results), *sets], "is being written by process")
+        assert tree(results) == before  # the holder's lock file included: the refused one changed nothing
+    assert not (results / ".locked.lock").exists()  # released and removed
+
+
+def test_a_stale_checkpoint_staging_directory_is_cleaned_on_the_next_save(tmp_path):
+    import torch
+
+    from atrctl.checkpoint import TrainState, save_checkpoint
+
+    (tmp_path / ".checkpoint.k1ll3d").mkdir()  # what a SIGKILL during a save leaves
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(tmp_path / "checkpoint", model, torch.optim.AdamW(model.parameters()), TrainState(step=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+
+
+@pytest.mark.slow
+def test_training_children_end_when_their_compare_is_killed():
+    import subprocess
+    import sys
+    import time
+
+    parent_code = (
+        "import subprocess, sys, time; from atrctl.compare import _end_with_parent; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+        "preexec_fn=_end_with_parent); "
+        "print(child.pid, flush=True); time.sleep(120)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()  # SIGKILL: no handler of compare's runs
+    parent.wait()
+
+    def alive(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["compare", "grpo", "atr", "--problems", "10000000"], "lower n"),
+        (["warmup", "--results", "/proc/atrctl-unwritable"], "choose a writable --results"),
+        (["eval", "tiny", "--task", "gsm8k", "--task-arg", "path=bad.jsonl", "--max-new-tokens", "4"], "not UTF-8"),
+    ],
+)
+def test_more_bad_input_is_one_line_before_any_work(workspace, capsys, argv, fragment):
+    (workspace / "outer" / "cwd" / "bad.jsonl").write_bytes(b'{"question": "\xff\xfe", "answer": "#### 3"}\n')
+    before = tree(workspace)
+    refused(capsys, [*argv, "--results", "results"] if argv[0] == "compare" else argv, fragment)
+    assert tree(workspace) == before

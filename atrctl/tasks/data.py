@@ -81,6 +81,11 @@ def _load_local(task: str, path: str):
         raise UserError(f"{path} is not a .json, .jsonl or .parquet file; convert it or pass a hub data set name")
     if not file.is_file():
         raise UserError(f"data file {path} does not exist; check the path given to the {task} task")
+    if kind == "json":  # the reader decodes lazily, so a bad byte would surface later as a traceback
+        try:
+            file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise UserError(f"{path} is not UTF-8 text (byte {error.start}); save it as UTF-8") from None
     try:
         return datasets.load_dataset(kind, data_files=str(file), split="train")
     except Exception as err:  # the library's error types vary by format; the user needs the file named
