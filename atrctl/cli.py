@@ -421,7 +421,8 @@ def compare(
                 comparison, n=n, problems=problems, jobs=jobs, results=results, command=command, advance=advance
             )
     except KeyboardInterrupt:
-        stderr.print(f"interrupted: rerun the same command to resume the runs in {comparison.directory}")
+        stderr.print(f"interrupted: rerun the same command without --overwrite to resume the runs in "
+                     f"{comparison.directory}")  # fmt: skip
         raise typer.Exit(130) from None
     console.print(display.compare_table(rows, ks))
     console.print(f"report: {comparison.directory / 'report.md'}")

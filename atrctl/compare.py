@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ from atrctl import atomic
 from atrctl.config import Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
 from atrctl.losses import POLICY_LOSSES
-from atrctl.rundir import RunDir, check_name, drop_aside, exclusive, move_aside, restore_aside
+from atrctl.rundir import RunDir, check_name, drop_aside, exclusive, move_aside, recover
 
 # advance(key, description, done, total, note): one progress line per key, made on its first call
 Progress = Callable[[str, str, int, int, str], None]
@@ -132,7 +133,11 @@ def run_jobs(jobs: Sequence[Job], parallel: int, on_progress: Callable[[int], No
                 job.log.parent.mkdir(parents=True, exist_ok=True)
                 with job.log.open("w") as log:
                     job.process = subprocess.Popen(
-                        job.command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_end_with_parent
+                        job.command,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        preexec_fn=functools.partial(_end_with_parent, os.getpid()),
                     )
                 running.append(job)
             time.sleep(0.5)
@@ -153,13 +158,20 @@ def run_jobs(jobs: Sequence[Job], parallel: int, on_progress: Callable[[int], No
             job.process.wait()
 
 
-def _end_with_parent() -> None:
+try:  # resolved here, in compare's process: a forked child should not load libraries before it execs
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the children outlive a killed compare, as before
+    _PRCTL = None
+
+
+def _end_with_parent(parent: int) -> None:
     """In a training child, before it runs: SIGTERM it when compare dies, even by SIGKILL, so no run is left
-    training alone (Linux's PR_SET_PDEATHSIG; the child then checkpoints and stops as on Ctrl-C)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the children outlive a killed compare, as before
-        pass
+    training alone (Linux's PR_SET_PDEATHSIG; the child then checkpoints and stops as on Ctrl-C).  A compare
+    that died before the call left the child an orphan already: it ends at once."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(143)
 
 
 # ------------------------------------------------------------------ the comparison
@@ -174,6 +186,7 @@ class Comparison:
     seeds: int
     recipe: Recipe
     loss_args: dict[str, dict]
+    overwrite: bool = False  # replace what the directory holds (run_comparison does it, under the lock)
 
     def record(self) -> dict:
         return {
@@ -313,7 +326,7 @@ def plan_comparison(
     overwrite: bool,
     results: Path,
 ) -> Comparison:
-    """Check every input, then create (or reopen) the comparison directory: nothing is written before."""
+    """Check every input and resolve the comparison; nothing is written (run_comparison claims the directory)."""
     from atrctl.train import validate_algo
 
     for value, flag in ((seeds, "--seeds"), (n, "--n"), (problems, "--problems"), (jobs, "--jobs")):
@@ -328,9 +341,7 @@ def plan_comparison(
         if arm.loss is not None:
             validate_algo(arm_recipe(recipe, arm, recipe.model.base, loss_args))
     label = check_name(name if name is not None else "-".join(a.label for a in arms))
-    comparison = Comparison(results / f"compare-{label}", arms, seeds, recipe, loss_args)
-    prepare(comparison, overwrite)
-    return comparison
+    return Comparison(results / f"compare-{label}", arms, seeds, recipe, loss_args, overwrite)
 
 
 def run_comparison(
@@ -350,9 +361,17 @@ def run_comparison(
     process at a time: a second one on the same comparison is refused.
     """
     with exclusive(comparison.directory):
+        recover(comparison.directory, started=_runs_started(comparison))  # after a crash in an --overwrite
+        prepare(comparison, comparison.overwrite)
         return _run_comparison(
             comparison, n=n, problems=problems, jobs=jobs, results=results, command=command, advance=advance
         )
+
+
+def _runs_started(comparison: Comparison) -> bool:
+    """Whether any run of the comparison has logged a step (then it is kept, to be resumed)."""
+    runs = comparison.directory / "runs"
+    return runs.is_dir() and any(RunDir(d).read_metrics() for d in runs.iterdir() if d.is_dir() and d.name[0] != ".")
 
 
 def _run_comparison(
@@ -400,8 +419,8 @@ def _run_comparison(
             jobs,
             lambda done: show("train", f"train {len(job_list)} runs", done, total_steps, f"{jobs} at a time"),
         )
-    except BaseException:
-        restore_aside(comparison.directory)
+    except BaseException:  # an --overwritten comparison comes back unless the new one's runs have started
+        recover(comparison.directory, started=_runs_started(comparison))
         raise
     drop_aside(comparison.directory)
     seconds[f"training ({len(job_list)} runs, {jobs} at a time; {reused} reused from before)"] = (

@@ -77,9 +77,14 @@ class RunDir:
         return has_evaluation(self.eval)
 
     def check_can_start(self, resume: bool, overwrite: bool) -> None:
-        """Refuse to clobber a run: an existing directory needs resume (continue) or overwrite (replace)."""
+        """Refuse to clobber a run: an existing directory needs resume (continue) or overwrite (replace).
+        An --overwrite that a crash interrupted is finished first (under the lock), so the answer is about
+        the run as it should be."""
         from atrctl.checkpoint import find_checkpoint
 
+        if aside(self.path).exists() or _sibling(self.path, "dropping").exists():
+            with exclusive(self.path):
+                self.recover()
         if resume:
             if find_checkpoint(self.checkpoint) is None:
                 raise UserError(
@@ -117,8 +122,12 @@ class RunDir:
         atomic.write_text(self.config, to_toml({**recipe_to_dict(recipe), "environment": environment}))
 
     def restore_replaced(self) -> None:
-        """Undo `create`'s replacement, if the new run never logged a step."""
+        """Undo `create`'s replacement, if the new run never logged a step (the first one drops the old run)."""
         restore_aside(self.path)
+
+    def recover(self) -> None:
+        """Finish an --overwrite a crash interrupted (see `recover`): the new run stays if it logged a step."""
+        recover(self.path, started=bool(self.read_metrics()))
 
     # ------------------------------------------------------------ metrics.jsonl
 
@@ -222,12 +231,18 @@ def environment(device: torch.device) -> dict[str, str]:
 # ------------------------------------------------------------ one writer at a time
 
 
+def _sibling(path: Path, suffix: str) -> Path:
+    """A hidden sibling of `path` in the same folder (absolute, so that "." has a name too)."""
+    path = Path(path).absolute()
+    return path.with_name(f".{path.name}.{suffix}")
+
+
 @contextmanager
 def exclusive(path: Path) -> Iterator[None]:
     """Hold the write lock of a run or comparison directory for the block: a second process that asks for it
-    is refused with one line.  An OS lock (flock) on a hidden sibling file, so a killed holder never leaves
-    a stale lock behind."""
-    lock = path.with_name(f".{path.name}.lock")
+    is refused with one line.  An OS lock (flock) on a hidden sibling file: a killed holder leaves no stale
+    lock, and the file itself stays (removing it would let two processes lock two different files)."""
+    lock = _sibling(path, "lock")
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         handle = open(lock, "a+")  # closed by the with below
@@ -244,10 +259,7 @@ def exclusive(path: Path) -> Iterator[None]:
         handle.truncate()
         handle.write(f"process {os.getpid()}")
         handle.flush()
-        try:
-            yield
-        finally:
-            lock.unlink(missing_ok=True)  # before the unlock, so the next holder makes a fresh file
+        yield  # closing the file releases the lock
 
 
 # ------------------------------------------------------------ replacing a directory safely
@@ -255,12 +267,13 @@ def exclusive(path: Path) -> Iterator[None]:
 
 def aside(path: Path) -> Path:
     """Where `move_aside` keeps the directory it replaces: a hidden sibling, inside the same results folder."""
-    return path.with_name(f".{path.name}.replaced")
+    return _sibling(path, "replaced")
 
 
 def move_aside(path: Path) -> None:
-    """Make room for a new `path` without losing the old one.  If an earlier replacement never finished, the
+    """Make room for a new `path` without losing the old one.  If an earlier replacement never started, the
     directory kept aside is the last good one, and what stands at `path` is the failed attempt."""
+    shutil.rmtree(_sibling(path, "dropping"), ignore_errors=True)
     if aside(path).exists():
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists():
@@ -275,9 +288,21 @@ def restore_aside(path: Path) -> None:
 
 
 def drop_aside(path: Path) -> None:
-    """The replacement has started: delete the directory kept aside."""
+    """The replacement has started: delete the directory kept aside (renamed first, so a delete cut short
+    leaves no half-deleted directory that could pass for the one kept aside)."""
     if aside(path).exists():
-        shutil.rmtree(aside(path))
+        dropping = _sibling(path, "dropping")
+        shutil.rmtree(dropping, ignore_errors=True)
+        aside(path).rename(dropping)
+        shutil.rmtree(dropping)
+
+
+def recover(path: Path, started: bool) -> None:
+    """Finish a replacement a crash interrupted: keep the new `path` if it `started`, else bring the old one
+    back.  Called under the lock, before anything else looks at `path`."""
+    shutil.rmtree(_sibling(path, "dropping"), ignore_errors=True)
+    if aside(path).exists():
+        (drop_aside if started else restore_aside)(path)
 
 
 MAX_NAME_BYTES = 200  # file systems allow 255 per path component; staging names add a few
@@ -286,8 +311,8 @@ MAX_NAME_BYTES = 200  # file systems allow 255 per path component; staging names
 def check_name(name: str, flag: str = "--name") -> str:
     """A run (or comparison) name is one plain path component, so the run stays inside its results folder:
     no separators, not "." or "..", no leading dot (hidden and staging names), at most MAX_NAME_BYTES."""
-    separators = {"/", "\\", "\0"}
-    if not name or name in (".", "..") or name.startswith(".") or separators & set(name) or name != name.strip():
+    unsafe = {"/", "\\"} | {chr(code) for code in range(32)}  # separators and control characters
+    if not name or name in (".", "..") or name.startswith(".") or unsafe & set(name) or name != name.strip():
         raise UserError(f"{flag} {name!r} is not a plain name: use letters, digits, '-', '_' or '.' (not first), "
                         "no '/'; runs live in --results")  # fmt: skip
     if len(name.encode()) > MAX_NAME_BYTES:

@@ -97,24 +97,28 @@ def _train(
 ) -> dict | None:
     main = distributed.is_main()
     if main:
-        run_dir.check_can_start(resume, overwrite)
+        run_dir.check_can_start(resume, overwrite)  # fails fast, before the lock file exists
     summary_writer = _tensorboard_writer() if recipe.run.tensorboard and main else None
-    run = build_run(recipe, run_dir, results, on_warmup)
+    run = build_run(recipe, run_dir, results, on_warmup)  # every input checked: the lock file comes after
     with exclusive(run_dir.path) if main else nullcontext():  # one writer per run directory
-        state = TrainState(recipe=recipe_to_dict(recipe))
-        if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
-            state = load_checkpoint(find_checkpoint(run_dir.checkpoint), run.model, run.optimizer)
-            _check_same_recipe(state, recipe, run_dir)
-            restore_rng(state)
-            run.sampler.load_weights(run.model)  # a backend that holds its own copy samples the resumed weights
-            if main:
-                run_dir.trim_metrics(state.step)
-        elif main:
-            run_dir.create(recipe, environment(run.device))  # an old run (approved --overwrite) is moved aside
+        if main:  # again, now that no other process can change the answer
+            run_dir.recover()
+            run_dir.check_can_start(resume, overwrite)
+        state, replacing = TrainState(recipe=recipe_to_dict(recipe)), False
         try:
+            if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
+                state = load_checkpoint(find_checkpoint(run_dir.checkpoint), run.model, run.optimizer)
+                _check_same_recipe(state, recipe, run_dir)
+                restore_rng(state)
+                run.sampler.load_weights(run.model)  # a backend that holds its own copy samples the resumed weights
+                if main:
+                    run_dir.trim_metrics(state.step)
+            elif main:
+                replacing = True
+                run_dir.create(recipe, environment(run.device))  # an old run (approved --overwrite) is moved aside
             return _run_steps(run, state, resume, on_step, summary_writer)
         except BaseException:
-            if main:
+            if replacing:
                 run_dir.restore_replaced()  # the new run logged no step: the one it was to replace comes back
             raise
 
@@ -160,10 +164,17 @@ def _run_steps(
                 state.bad_steps += 1
                 state.skipped_steps += 1
             record["skipped_steps"] = state.skipped_steps
+            diverged = False
             if main:
                 if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
-                    record.update(held_out_metrics(run))
-                log(record)
+                    try:
+                        record.update(held_out_metrics(run))
+                    except NonFiniteProbabilities:  # the update made the policy diverge: stop, saving nothing
+                        diverged = True
+                if not diverged:
+                    log(record)
+            if distributed.all_max(torch.tensor(float(diverged), device=run.device)).item():
+                raise TrainingStopped(_divergence_message(run, state.step))
             if state.bad_steps >= recipe.run.max_bad_steps:
                 checkpoint()
                 raise TrainingStopped(
@@ -181,15 +192,21 @@ def _run_steps(
     return _finish(run, state, base_eval, time.perf_counter() - started) if main else None
 
 
+# What a resume may change in config.toml: how long the run goes, how often it checkpoints or is evaluated, and
+# where it runs.  Anything else would make the run something other than what its checkpoint trained.
+RESUMABLE_EDITS = {("run", "steps"), ("run", "checkpoint_every"), ("run", "max_bad_steps"), ("run", "tensorboard"),
+                   ("eval", "every"), ("model", "device")}  # fmt: skip
+
+
 def _check_same_recipe(state: TrainState, recipe: Recipe, run_dir: RunDir) -> None:
-    """A resume continues the run its checkpoint was trained as: an edited config.toml is refused, naming what
-    changed.  A checkpoint that recorded no recipe (older ones) is taken as it is."""
-    if not state.recipe:
-        return
-    saved = recipe_to_dict(recipe_from_dict(state.recipe))  # keys added since then take their defaults
+    """A resume continues the run its checkpoint was trained as: a config.toml edited since (beyond
+    RESUMABLE_EDITS) is refused, naming what changed.  A checkpoint that recorded no recipe (made before
+    recipes were recorded) is taken as it is, and records this one from now on."""
     now = recipe_to_dict(recipe)
+    saved = recipe_to_dict(recipe_from_dict(state.recipe)) if state.recipe else now  # new keys: their defaults
     changed = [f"{section}.{key}: {saved[section][key]!r} → {now[section][key]!r}" for section in now
-               for key in now[section] if saved.get(section, {}).get(key) != now[section][key]]  # fmt: skip
+               for key in now[section] if (section, key) not in RESUMABLE_EDITS
+               and saved.get(section, {}).get(key) != now[section][key]]  # fmt: skip
     if changed:
         raise UserError(f"{run_dir.config} no longer matches the recipe its checkpoint was trained with "
                         f"({'; '.join(changed)}): restore it, or start a new run")  # fmt: skip

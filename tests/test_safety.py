@@ -11,7 +11,7 @@ from atrctl import train as train_module
 from atrctl.cli import main
 from atrctl.compare import Arm, Comparison, prepare
 from atrctl.config import load_recipe
-from atrctl.rundir import aside, restore_aside
+from atrctl.rundir import aside, exclusive, restore_aside
 from atrctl.train import train
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
@@ -179,7 +179,6 @@ def test_a_damaged_run_is_one_line_on_resume_and_stays_as_it_was(results, capsys
 
 
 def test_a_second_writer_is_refused_with_one_line(results, capsys):
-    from atrctl.rundir import exclusive
 
     run = results / "locked"
     with exclusive(run):  # another process holds it; the lock is per open file, so this one counts as another
@@ -187,7 +186,8 @@ def test_a_second_writer_is_refused_with_one_line(results, capsys):
         before = tree(results)
         refused(capsys, ["train", "--name", "locked", "--results", str(results), *sets], "is being written by process")
         assert tree(results) == before  # the holder's lock file included: the refused one changed nothing
-    assert not (results / ".locked.lock").exists()  # released and removed
+    with exclusive(run):  # released: it can be taken again
+        pass
 
 
 def test_a_stale_checkpoint_staging_directory_is_cleaned_on_the_next_save(tmp_path):
@@ -208,9 +208,9 @@ def test_training_children_end_when_their_compare_is_killed():
     import time
 
     parent_code = (
-        "import subprocess, sys, time; from atrctl.compare import _end_with_parent; "
+        "import functools, os, subprocess, sys, time; from atrctl.compare import _end_with_parent; "
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
-        "preexec_fn=_end_with_parent); "
+        "preexec_fn=functools.partial(_end_with_parent, os.getpid())); "
         "print(child.pid, flush=True); time.sleep(120)"
     )
     parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
@@ -243,3 +243,78 @@ def test_more_bad_input_is_one_line_before_any_work(workspace, capsys, argv, fra
     before = tree(workspace)
     refused(capsys, [*argv, "--results", "results"] if argv[0] == "compare" else argv, fragment)
     assert tree(workspace) == before
+
+
+def test_a_failed_compare_overwrite_puts_the_old_comparison_back(tmp_path, monkeypatch):
+    from atrctl import compare
+
+    old = compare.Comparison(tmp_path / "compare-x", [Arm("grpo", "grpo"), Arm("atr", "atr")], 1, recipe(), {})
+    prepare(old, overwrite=False)
+    (old.directory / "runs" / "grpo-s0").mkdir(parents=True)
+    (old.directory / "runs" / "grpo-s0" / "metrics.jsonl").write_text('{"step": 1}\n')  # a run that had trained
+    before = tree(old.directory)
+
+    def training_fails(*args, **kwargs):
+        raise RuntimeError("a child failed before any step")
+
+    monkeypatch.setattr(compare, "run_jobs", training_fails)
+    new = compare.Comparison(old.directory, old.arms, 1, recipe(), {}, overwrite=True)
+    with pytest.raises(RuntimeError, match="before any step"):
+        compare.run_comparison(new, n=2, problems=4, jobs=1, results=tmp_path, command="test")
+    assert tree(old.directory) == before and not aside(old.directory).exists()
+
+
+def test_a_crash_during_an_overwrite_is_repaired_on_the_next_start(results, capsys):
+    """Killed after the old run was moved aside and before the new one logged a step: the next command on
+    that name brings the old run back, and refuses to clobber it."""
+    run = results / "crashed"
+    train(recipe("run.steps=1"), run, results=results)
+    before = tree(run)
+    run.rename(aside(run))  # what --overwrite did just before the kill
+    run.mkdir()
+    (run / "config.toml").write_text((aside(run) / "config.toml").read_text())
+    sets = [flag for item in FAST for flag in ("--set", item)]
+    capsys.readouterr()
+    refused(capsys, ["train", "--name", "crashed", "--results", str(results), *sets], "already exists")
+    assert tree(run) == before and not aside(run).exists()
+
+
+def test_a_checkpoint_made_before_recipes_were_recorded_still_resumes(results):
+    run = results / "old-format"
+    train(recipe("run.steps=1", "run.checkpoint_every=1"), run, results=results)
+    state_file = run / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["recipe"]
+    state_file.write_text(json.dumps(state))
+    summary = train(recipe("run.steps=2", "run.checkpoint_every=1"), run, results=results, resume=True)
+    assert summary["steps"] == 2 and json.loads(state_file.read_text())["recipe"]  # recorded from now on
+
+
+def test_a_resume_may_extend_a_run_but_not_change_what_it_trains(results, capsys):
+    run = results / "extended"
+    train(recipe("run.steps=1", "run.checkpoint_every=1"), run, results=results)
+    config = run / "config.toml"
+    config.write_text(config.read_text().replace("steps = 1\n", "steps = 2\n"))
+    (run / "model").rename(run / "was-final")
+    assert train(load_recipe_of(run), run, results=results, resume=True)["steps"] == 2
+
+
+def load_recipe_of(run):
+    from atrctl.rundir import RunDir
+
+    return RunDir(run).recipe()
+
+
+def test_divergence_at_an_evaluation_step_also_stops_cleanly(results, capsys):
+    sets = [flag for item in [*FAST, "run.steps=4", "eval.every=1", "optim.lr=1e10"] for flag in ("--set", item)]
+    assert main(["train", "--name", "diverged-at-eval", "--results", str(results), *sets]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the policy diverged") and "\n" not in err, err
+
+
+def test_resume_of_the_current_directory(results, monkeypatch, capsys):
+    run = results / "here"
+    train(recipe("run.steps=1", "run.checkpoint_every=1"), run, results=results)
+    monkeypatch.chdir(run)
+    capsys.readouterr()
+    assert main(["train", "--resume", "."]) == 0  # finished: it saves its model again and reports
