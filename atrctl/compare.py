@@ -344,6 +344,12 @@ def plan_comparison(
     return Comparison(results / f"compare-{label}", arms, seeds, recipe, loss_args, overwrite)
 
 
+def _runs_started(comparison: Comparison) -> bool:
+    """Whether any run of the comparison has logged a step (then it is kept, to be resumed)."""
+    runs = comparison.directory / "runs"
+    return runs.is_dir() and any(RunDir(d).read_metrics() for d in runs.iterdir() if d.is_dir() and d.name[0] != ".")
+
+
 def run_comparison(
     comparison: Comparison,
     *,
@@ -360,32 +366,6 @@ def run_comparison(
     continue from their checkpoints, and rerunning the same plan redoes only what is missing.  One
     process at a time: a second one on the same comparison is refused.
     """
-    with exclusive(comparison.directory):
-        recover(comparison.directory, started=_runs_started(comparison))  # after a crash in an --overwrite
-        prepare(comparison, comparison.overwrite)
-        return _run_comparison(
-            comparison, n=n, problems=problems, jobs=jobs, results=results, command=command, advance=advance
-        )
-
-
-def _runs_started(comparison: Comparison) -> bool:
-    """Whether any run of the comparison has logged a step (then it is kept, to be resumed)."""
-    runs = comparison.directory / "runs"
-    return runs.is_dir() and any(RunDir(d).read_metrics() for d in runs.iterdir() if d.is_dir() and d.name[0] != ".")
-
-
-def _run_comparison(
-    comparison: Comparison,
-    *,
-    n: int,
-    problems: int,
-    jobs: int,
-    results: Path,
-    command: str,
-    advance: Progress | None = None,
-) -> tuple[list[dict], list[int]]:
-    """The body of `run_comparison`, under the comparison's write lock."""
-    from atrctl.base_cache import ensure_base
     from atrctl.compare_report import write_report
     from atrctl.config import recipe_to_dict, to_toml
     from atrctl.eval_report import write_eval
@@ -398,59 +378,68 @@ def _run_comparison(
         if advance is not None:
             advance(key, description, done, total, note)
 
-    recipe, started, seconds = comparison.recipe, time.perf_counter(), {}
-    try:  # a comparison this one --overwrites comes back unless every run trains
-        phase = time.perf_counter()
-        base, _ = ensure_base(
-            recipe,
-            results,
-            lambda step, loss, acc: show("warmup", "warm-up base", step, recipe.warmup.max_steps, f"loss {loss:.3f}"),
-        )
-        base = str(Path(base).resolve()) if isinstance(base, Path) else base
-        seconds["base (warm-up or cache)"] = time.perf_counter() - phase
+    with exclusive(comparison.directory):
+        recover(comparison.directory, started=_runs_started(comparison))  # after a crash in an --overwrite
+        prepare(comparison, comparison.overwrite)
+        started, seconds = time.perf_counter(), {}
+        try:
+            _train_arms(comparison, jobs, results, show, seconds)
+        except BaseException:  # an --overwritten comparison comes back unless the new one's runs have started
+            recover(comparison.directory, started=_runs_started(comparison))
+            raise
+        drop_aside(comparison.directory)
 
         phase = time.perf_counter()
-        job_list = training_jobs(
-            comparison.arms, comparison.seeds, write_arm_recipes(comparison, base), comparison.directory / "runs"
+        evaluations = evaluate_arms(
+            comparison,
+            n,
+            problems,
+            lambda run, done, total: show(f"eval {run}", f"eval {run}", done, total, f"n = {n}"),
         )
-        total_steps, reused = len(job_list) * recipe.run.steps, sum(job.finished for job in job_list)
-        run_jobs(
-            job_list,
-            jobs,
-            lambda done: show("train", f"train {len(job_list)} runs", done, total_steps, f"{jobs} at a time"),
+        seconds["evaluation (wall)"] = time.perf_counter() - phase
+        ks = default_ks(n)
+        for label, directories in arm_runs(comparison).items():
+            for directory, result in zip(directories, evaluations[label], strict=True):
+                write_eval(result, ks, RunDir(directory).eval, f"{directory.name}: pass@k")
+        seconds["total"] = time.perf_counter() - started
+        atr_default, grpo_default = loss_parameters("atr")["max_kl3"], loss_parameters("grpo")["eps"]
+        trains_atr = any(arm.loss == "atr" for arm in comparison.arms)
+        deltas = [float(comparison.loss_args.get("atr", {}).get("max_kl3", atr_default)) if trains_atr else atr_default]
+        rows = write_report(
+            comparison.directory,
+            arm_runs(comparison),
+            evaluations,
+            ks,
+            command=command,
+            recipe_toml=to_toml(recipe_to_dict(comparison.recipe)),
+            environment=environment(resolve_device(comparison.recipe.model.device)),
+            deltas=deltas,
+            eps=float(comparison.loss_args.get("grpo", {}).get("eps", grpo_default)),
+            seconds=seconds,
         )
-    except BaseException:  # an --overwritten comparison comes back unless the new one's runs have started
-        recover(comparison.directory, started=_runs_started(comparison))
-        raise
-    drop_aside(comparison.directory)
+        return rows, ks
+
+
+def _train_arms(comparison: Comparison, jobs: int, results: Path, show: Progress, seconds: dict) -> None:
+    """The shared base (warmed up or cached), then every (arm, seed) run, `jobs` at a time; adds the wall
+    times of both phases to `seconds`."""
+    from atrctl.base_cache import ensure_base
+
+    recipe, phase = comparison.recipe, time.perf_counter()
+    base, _ = ensure_base(
+        recipe, results, lambda step, loss, acc: show("warmup", "warm-up base", step, recipe.warmup.max_steps,
+                                                      f"loss {loss:.3f}")
+    )  # fmt: skip
+    base = str(Path(base).resolve()) if isinstance(base, Path) else base
+    seconds["base (warm-up or cache)"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    job_list = training_jobs(
+        comparison.arms, comparison.seeds, write_arm_recipes(comparison, base), comparison.directory / "runs"
+    )
+    total_steps, reused = len(job_list) * recipe.run.steps, sum(job.finished for job in job_list)
+    run_jobs(job_list, jobs, lambda done: show("train", f"train {len(job_list)} runs", done, total_steps,
+                                               f"{jobs} at a time"))  # fmt: skip
     seconds[f"training ({len(job_list)} runs, {jobs} at a time; {reused} reused from before)"] = (
         time.perf_counter() - phase
     )
-
-    phase = time.perf_counter()
-    evaluations = evaluate_arms(
-        comparison, n, problems, lambda run, done, total: show(f"eval {run}", f"eval {run}", done, total, f"n = {n}")
-    )
-    seconds["evaluation (wall)"] = time.perf_counter() - phase
-
-    ks = default_ks(n)
-    for label, directories in arm_runs(comparison).items():
-        for directory, result in zip(directories, evaluations[label], strict=True):
-            write_eval(result, ks, RunDir(directory).eval, f"{directory.name}: pass@k")
-    seconds["total"] = time.perf_counter() - started
-    atr_default, grpo_default = loss_parameters("atr")["max_kl3"], loss_parameters("grpo")["eps"]
-    trains_atr = any(arm.loss == "atr" for arm in comparison.arms)
-    deltas = [float(comparison.loss_args.get("atr", {}).get("max_kl3", atr_default)) if trains_atr else atr_default]
-    rows = write_report(
-        comparison.directory,
-        arm_runs(comparison),
-        evaluations,
-        ks,
-        command=command,
-        recipe_toml=to_toml(recipe_to_dict(recipe)),
-        environment=environment(resolve_device(recipe.model.device)),
-        deltas=deltas,
-        eps=float(comparison.loss_args.get("grpo", {}).get("eps", grpo_default)),
-        seconds=seconds,
-    )
-    return rows, ks
