@@ -7,8 +7,9 @@ prompt order in every arm, and every final model is evaluated on the same held-o
 same n and sampling seed.  Runs are ordinary `atrctl train` runs in <compare>/runs/, launched as
 subprocesses (`--jobs` at a time), so an interrupted comparison resumes them where they stopped.
 
-`plan_comparison` checks everything and claims the directory; `run_comparison` does the work (base,
-training, evaluation, report) and reports progress through a callback, so the CLI only displays.
+`plan_comparison` checks everything and writes nothing; `run_comparison` claims the directory under its lock
+and does the work (base, training, evaluation, report), reporting progress through a callback, so the CLI
+only displays.
 """
 
 from __future__ import annotations
