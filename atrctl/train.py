@@ -173,7 +173,10 @@ def _run_steps(
                         diverged = True
                 if not diverged:
                     log(record)
-            if distributed.all_max(torch.tensor(float(diverged), device=run.device)).item():
+            # one collective for both stop reasons: a diverged held-out check (rank 0) and SIGINT/SIGTERM (any rank)
+            flags = torch.tensor([float(diverged), float(stop.signal is not None)], device=run.device)
+            diverged, stopping = (bool(flag) for flag in distributed.all_max(flags).tolist())
+            if diverged:
                 raise TrainingStopped(_divergence_message(run, state.step))
             if state.bad_steps >= recipe.run.max_bad_steps:
                 checkpoint()
@@ -183,8 +186,7 @@ def _run_steps(
                 )
             if state.step % recipe.run.checkpoint_every == 0 or state.step == recipe.run.steps:
                 checkpoint()
-            stopping = distributed.all_max(torch.tensor(float(stop.signal is not None), device=run.device))
-            if stopping.item() and state.step < recipe.run.steps:  # after the last step: just finish
+            if stopping and state.step < recipe.run.steps:  # after the last step: just finish
                 checkpoint()
                 raise KeyboardInterrupt
     if writer is not None:
