@@ -257,11 +257,24 @@ def arm_runs(comparison: Comparison) -> dict[str, list[Path]]:
 # ------------------------------------------------------------------ evaluation and report
 
 
+def arm_target(directory: Path, recipe: Recipe):
+    """How a run of the comparison is evaluated (`evaluation.EvalTarget`); a run of another task is refused."""
+    from atrctl.evaluation import eval_target
+
+    spec = eval_target(str(directory))
+    if (spec.task, spec.task_args) != (recipe.task.name, recipe.task.args):
+        raise UserError(
+            f"{directory} was trained on task {spec.task} {spec.task_args}, "
+            f"not {recipe.task.name} {recipe.task.args}: compare runs of one task"
+        )
+    return spec
+
+
 def evaluate_arms(
     comparison: Comparison, n: int, problems: int, on_progress: Callable[[str, int, int], None] | None = None
 ) -> dict[str, list]:
     """Every final model on the same held-out problems, with the same n and sampling seed."""
-    from atrctl.evaluation import eval_target, evaluate_target
+    from atrctl.evaluation import evaluate_target
     from atrctl.tasks import get_task
 
     recipe = comparison.recipe
@@ -271,15 +284,9 @@ def evaluate_arms(
     for label, directories in arm_runs(comparison).items():
         results[label] = []
         for directory in directories:
-            spec = eval_target(str(directory))
-            if (spec.task, spec.task_args) != (recipe.task.name, recipe.task.args):
-                raise UserError(
-                    f"{directory} was trained on task {spec.task} {spec.task_args}, "
-                    f"not {recipe.task.name} {recipe.task.args}: compare runs of one task"
-                )
             results[label].append(
                 evaluate_target(
-                    spec,
+                    arm_target(directory, recipe),
                     task,
                     held_out,
                     n=n,
@@ -341,6 +348,8 @@ def plan_comparison(
     for arm in arms:
         if arm.loss is not None:
             validate_algo(arm_recipe(recipe, arm, recipe.model.base, loss_args))
+        else:  # an existing run: its recipe must read and its task match, before anything trains
+            arm_target(arm.run_dir, recipe)
     label = check_name(name if name is not None else "-".join(a.label for a in arms))
     return Comparison(results / f"compare-{label}", arms, seeds, recipe, loss_args, overwrite)
 
