@@ -35,8 +35,11 @@ class TrainState:
     """
 
     step: int = 0
-    bad_steps: int = 0  # consecutive steps skipped for a non-finite loss or gradient
+    bad_steps: int = 0  # consecutive bad steps (non-finite loss or gradient, or an undone update)
     skipped_steps: int = 0  # all skipped steps
+    # the last step applied an update no sampling has yet shown to be sound; until one has, it may still be
+    # undone, so bad_steps is not reset (train._sample_or_undo)
+    unverified_update: bool = False
     torch_rng: list[int] = field(default_factory=list)
     python_rng: list = field(default_factory=list)
     recipe: dict = field(default_factory=dict)  # the recipe trained with, so a resume can refuse an edited one
@@ -129,6 +132,8 @@ def read_state(directory: Path) -> TrainState:
     counters = (state.step, state.bad_steps, state.skipped_steps)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counters):
         raise UserError(f"{path} is not a training state (step and counters must be integers >= 0)")
+    if not isinstance(state.unverified_update, bool):
+        raise UserError(f"{path} is not a training state (unverified_update must be true or false)")
     return state
 
 

@@ -176,7 +176,11 @@ class RunConfig:
     checkpoint_every: int = 50
     """Write a resumable checkpoint every this many steps (and on Ctrl-C and at the end)."""
     max_bad_steps: int = 3
-    """Stop after this many consecutive steps with a NaN/inf loss or gradient (each is skipped)."""
+    """Stop after this many consecutive bad steps: a NaN/inf loss or gradient, or an update after which
+    the policy samples non-finite probabilities (each is skipped, with `rollback` undone)."""
+    rollback: bool = True
+    """Keep the weights and optimiser state from before each update in host memory, so a bad step is
+    undone and a diverging run stops on weights that sample (costs 3× the float32 model in host RAM)."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""
 

@@ -40,6 +40,7 @@ from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, metric_reduction, policy_loss
 from atrctl.models import Numerics
+from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
 from atrctl.rundir import RunDir, environment, exclusive
 from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
@@ -154,36 +155,27 @@ def _run_steps(
     with _StopRequest() as stop:
         while state.step < recipe.run.steps:
             try:
-                record, finite = train_step(run, state.step)
-            except PolicyDiverged as diverged:  # its weights are not saved: the last checkpoint stays the resume point
+                record, finite = train_step(run, state)
+            except PolicyDiverged as diverged:  # nothing to undo: the last checkpoint stays the resume point
                 raise TrainingStopped(_divergence_message(run, diverged.step)) from None
+            except BadStepLimit:  # an update undone at this step's sampling was the last bad step allowed
+                checkpoint()
+                raise TrainingStopped(_bad_steps_message(run, state)) from None
             state.step += 1
-            if finite:
-                state.bad_steps = 0
-            else:
-                state.bad_steps += 1
-                state.skipped_steps += 1
+            if not finite:
+                _count_bad_step(state)
+            if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
+                try:
+                    record.update(_held_out_or_undo(run, state) or {})
+                except PolicyDiverged:
+                    raise TrainingStopped(_divergence_message(run, state.step)) from None
             record["skipped_steps"] = state.skipped_steps
-            diverged = False
             if main:
-                if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
-                    try:
-                        record.update(held_out_metrics(run))
-                    except NonFiniteProbabilities:  # the update made the policy diverge: stop, saving nothing
-                        diverged = True
-                if not diverged:
-                    log(record)
-            # one collective for both stop reasons: a diverged held-out check (rank 0) and SIGINT/SIGTERM (any rank)
-            flags = torch.tensor([float(diverged), float(stop.signal is not None)], device=run.device)
-            diverged, stopping = (bool(flag) for flag in distributed.all_max(flags).tolist())
-            if diverged:
-                raise TrainingStopped(_divergence_message(run, state.step))
+                log(record)
             if state.bad_steps >= recipe.run.max_bad_steps:
                 checkpoint()
-                raise TrainingStopped(
-                    f"{state.bad_steps} consecutive steps had a non-finite loss or gradient (at step {state.step}); "
-                    f"the checkpoint in {run_dir.checkpoint} holds the last finite weights: lower optim.lr and resume"
-                )
+                raise TrainingStopped(_bad_steps_message(run, state))
+            stopping = _any_rank(stop.signal is not None, run.device)  # SIGINT/SIGTERM on any rank stops all
             if state.step % recipe.run.checkpoint_every == 0 or state.step == recipe.run.steps:
                 checkpoint()
             if stopping and state.step < recipe.run.steps:  # after the last step: just finish
@@ -194,10 +186,62 @@ def _run_steps(
     return _finish(run, state, base_eval, time.perf_counter() - started) if main else None
 
 
+class BadStepLimit(Exception):
+    """`run.max_bad_steps` consecutive bad steps: the run stops on its last good weights."""
+
+
+def _count_bad_step(state: TrainState) -> None:
+    state.bad_steps += 1
+    state.skipped_steps += 1
+
+
+def _undo_last_update(run: Run, state: TrainState, step: int) -> None:
+    """The policy the last update left samples non-finite probabilities (found at RL step `step`, 1-based):
+    the weights and optimiser state from before that update come back and it counts as a bad step.
+    With nothing to go back to (rollback off, or the weights were never updated since they last sampled
+    soundly, e.g. just after a resume) the policy has diverged: PolicyDiverged."""
+    if run.snapshot is None or not run.snapshot.held or not state.unverified_update:
+        raise PolicyDiverged(step)
+    run.snapshot.restore()
+    run.sampler.load_weights(run.model)
+    state.unverified_update = False
+    _count_bad_step(state)
+
+
+def _verified(state: TrainState) -> None:
+    """The policy sampled soundly after the last update: that update is good, the bad-step streak ends."""
+    if state.unverified_update:
+        state.unverified_update, state.bad_steps = False, 0
+
+
+def _held_out_or_undo(run: Run, state: TrainState) -> dict[str, float] | None:
+    """Rank 0's held-out figures after the step's update (None on the other ranks).  An update whose policy
+    cannot be sampled is undone on every rank and the figures are taken again, on the weights restored;
+    none at all if that undo was the last bad step allowed (the loop then stops)."""
+    while True:
+        figures, failed = None, False
+        if distributed.is_main():
+            try:
+                figures = held_out_metrics(run)
+            except NonFiniteProbabilities:
+                failed = True
+        if not _any_rank(failed, run.device):
+            _verified(state)
+            return figures
+        _undo_last_update(run, state, state.step)
+        if state.bad_steps >= run.recipe.run.max_bad_steps:
+            return None
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank: one all-reduce, so every rank takes the same branch."""
+    return bool(distributed.all_max(torch.tensor(float(flag), device=device)).item())
+
+
 # What a resume may change in config.toml: how long the run goes, how often it checkpoints or is evaluated, and
 # where it runs.  Anything else would make the run something other than what its checkpoint trained.
 RESUMABLE_EDITS = {("run", "steps"), ("run", "checkpoint_every"), ("run", "max_bad_steps"), ("run", "tensorboard"),
-                   ("eval", "every"), ("model", "device")}  # fmt: skip
+                   ("run", "rollback"), ("eval", "every"), ("model", "device")}  # fmt: skip
 
 
 def _check_same_recipe(state: TrainState, recipe: Recipe, run_dir: RunDir) -> None:
@@ -216,14 +260,22 @@ def _check_same_recipe(state: TrainState, recipe: Recipe, run_dir: RunDir) -> No
 
 
 def _divergence_message(run: Run, step: int) -> str:
-    last = find_checkpoint(run.run_dir.checkpoint)
-    saved = (
-        f"the checkpoint in {last} (step {read_state(last).step}) holds the last saved weights"
-        if last
-        else ("no checkpoint was saved yet")
-    )
     return (f"the policy diverged: sampling at step {step} met non-finite probabilities (optim.lr = "
-            f"{run.recipe.optim.lr:g}); {saved}; train again with a lower optim.lr")  # fmt: skip
+            f"{run.recipe.optim.lr:g}) and there is no update to undo; {_saved_weights(run)}; "
+            "train again with a lower optim.lr")  # fmt: skip
+
+
+def _bad_steps_message(run: Run, state: TrainState) -> str:
+    return (f"{state.bad_steps} consecutive steps were bad (a non-finite loss or gradient, or an update after "
+            f"which sampling met non-finite probabilities) at step {state.step}; {_saved_weights(run)}; "
+            f"train again with a lower optim.lr (now {run.recipe.optim.lr:g})")  # fmt: skip
+
+
+def _saved_weights(run: Run) -> str:
+    last = find_checkpoint(run.run_dir.checkpoint)
+    if last is None:
+        return "no checkpoint was saved yet"
+    return f"the checkpoint in {last} (step {read_state(last).step}) holds the last good weights"
 
 
 def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dict:
@@ -246,26 +298,27 @@ def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dic
 # ----------------------------------------------------------------- one step
 
 
-def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
-    """One RL step: its metrics (docs/design.md §3, plus where the time went) and whether it was finite."""
+def train_step(run: Run, state: TrainState) -> tuple[dict[str, float], bool]:
+    """RL step `state.step` (0-based): its metrics (docs/design.md §3, plus where the time went) and whether
+    it was finite.  With `run.rollback`, a non-finite step changes nothing (its applied mini-batches are undone)."""
     clock = Stopwatch(run.device)
     started = time.perf_counter()
-    try:
-        rollout, rewards, _ = rollout_step(run, step, clock)  # rewards: [prompts on this rank, G]
-        diverged = False
-    except NonFiniteProbabilities:
-        diverged = True
-    if distributed.all_max(torch.tensor(float(diverged), device=run.device)).item():  # every rank stops together
-        raise PolicyDiverged(step + 1)
+    rollout, rewards, _ = _sample_or_undo(run, state, clock)  # rewards: [prompts on this rank, G]
     advantages, _ = group_advantages(rewards, run.recipe.algo.advantage)  # [prompts, G] -> rows by flatten
-    metrics, finite = update_step(run, rollout, advantages.flatten().to(run.device), step, clock)
+    if run.snapshot is not None:
+        run.snapshot.take()  # these weights just sampled soundly: the state a bad update goes back to
+    metrics, finite = update_step(run, rollout, advantages.flatten().to(run.device), state.step, clock)
+    if finite:
+        state.unverified_update = True
+    elif run.snapshot is not None:
+        run.snapshot.restore()
     run.sampler.load_weights(run.model)  # the next rollout samples from the updated policy
     rewards = distributed.all_gather(rewards.to(run.device)).cpu()  # every rank's groups, for the step's figures
     _, frac_zero_std = group_advantages(rewards, run.recipe.algo.advantage)
     tokens = int(distributed.all_sum(rollout.completion_mask.sum()).item())
     seconds = time.perf_counter() - started
     return {
-        "step": step + 1,
+        "step": state.step + 1,
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
         "frac_zero_std": frac_zero_std,
@@ -275,6 +328,22 @@ def train_step(run: Run, step: int) -> tuple[dict[str, float], bool]:
         "time/step": seconds,
         "tokens_per_s": tokens / seconds,
     }, finite
+
+
+def _sample_or_undo(run: Run, state: TrainState, clock: Stopwatch):
+    """The step's rollout.  Non-finite probabilities mean the last update broke the policy: it is undone
+    (`_undo_last_update`) and the step samples again from the weights before it."""
+    while True:
+        try:
+            sampled, failed = rollout_step(run, state.step, clock), False
+        except NonFiniteProbabilities:
+            sampled, failed = None, True
+        if not _any_rank(failed, run.device):  # every rank takes the same branch
+            _verified(state)
+            return sampled
+        _undo_last_update(run, state, state.step + 1)
+        if state.bad_steps >= run.recipe.run.max_bad_steps:
+            raise BadStepLimit
 
 
 def rollout_step(run: Run, step: int, clock: Stopwatch | None = None) -> tuple[Rollout, torch.Tensor, list[Problem]]:
@@ -442,6 +511,7 @@ class Run:
     held_out_ids: list[list[int]]
     optimizer: torch.optim.Optimizer
     reference: torch.nn.Module | None = None
+    snapshot: Snapshot | None = None  # the state before the latest update (`run.rollback`)
 
     @property
     def device(self) -> torch.device:
@@ -496,6 +566,7 @@ def build_run(
         encode_prompts(tokenizer, held_out, chat),
         optimizer,
         reference,
+        Snapshot(model, optimizer) if recipe.run.rollback else None,
     )
 
 

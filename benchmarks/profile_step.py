@@ -19,6 +19,7 @@ from pathlib import Path
 from fresh_models import save_model  # benchmarks/ is on sys.path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
+from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
 from atrctl.models import set_cpu_threads
 from atrctl.train import STEP_PHASES, build_run, train_step
@@ -40,9 +41,9 @@ def main() -> None:
         )
         run = build_run(recipe, scratch / "run", scratch)
         for step in range(3):
-            train_step(run, step)
+            train_step(run, TrainState(step=step))
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            records = [train_step(run, step)[0] for step in range(3, 3 + args.steps)]
+            records = [train_step(run, TrainState(step=step))[0] for step in range(3, 3 + args.steps)]
     step_ms = statistics.fmean(r["time/step"] for r in records) * 1e3
     print(f"{args.preset}, {args.steps} profiled steps, mean {step_ms:.1f} ms per step (profiler overhead included)")
     for phase in STEP_PHASES:

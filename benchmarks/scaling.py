@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from fresh_models import QWEN_HALF_B_SHAPE, save_model  # benchmarks/ is on sys.path when run as a script
 
+from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
 from atrctl.models import set_cpu_threads
 from atrctl.train import build_run, recomputes_old_logprobs, train_step
@@ -78,7 +79,7 @@ def measure(
     suppress_eos(run)
     records = []
     for step in range(steps + 1):
-        record, _ = train_step(run, step)
+        record, _ = train_step(run, TrainState(step=step))
         if step:
             records.append(record)
     step_s = statistics.median(r["time/step"] for r in records)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from fresh_models import save_model  # benchmarks/ is on sys.path when run as a script
 
+from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
 from atrctl.models import set_cpu_threads
 from atrctl.train import STEP_PHASES, build_run, train_step
@@ -40,7 +41,7 @@ def measure(model_dir: Path, scratch: Path, steps: int, warmup: int) -> dict[str
     records = {loss: [] for loss in runs}
     for step in range(warmup + steps):
         for loss in LOSSES if step % 2 == 0 else LOSSES[::-1]:
-            record, _ = train_step(runs[loss], step)
+            record, _ = train_step(runs[loss], TrainState(step=step))
             if step >= warmup:
                 records[loss].append(record)
     return records

@@ -56,13 +56,14 @@ def recipe_for(args: argparse.Namespace):
 
 
 def atrctl_worker(args: argparse.Namespace) -> dict:
+    from atrctl.checkpoint import TrainState
     from atrctl.train import build_run, train_step
 
     recipe = recipe_for(args)
     run = build_run(recipe, Path(args.scratch) / "atrctl-run", Path(args.scratch))
     steps = []
     for step in range(args.warmup + args.steps):
-        record, _ = train_step(run, step)
+        record, _ = train_step(run, TrainState(step=step))
         if step >= args.warmup:
             steps.append(
                 {

@@ -120,18 +120,6 @@ def test_compare_overwrite_replaces_even_the_same_comparison_and_can_put_it_back
     assert tree(comparison.directory) == before and not aside(comparison.directory).exists()
 
 
-def test_a_diverging_policy_stops_cleanly_with_one_line(results, capsys):
-    sets = [
-        flag for item in [*FAST, "run.steps=6", "run.checkpoint_every=1", "optim.lr=1e10"] for flag in ("--set", item)
-    ]
-    assert main(["train", "--name", "diverged", "--results", str(results), *sets]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: the policy diverged: sampling at step") and "\n" not in err, err
-    assert "lower optim.lr" in err and "Traceback" not in err
-    state = json.loads((results / "diverged" / "checkpoint" / "state.json").read_text())
-    assert f"(step {state['step']})" in err  # the checkpoint it names is the one on disk
-
-
 def damage(run, how):
     checkpoint = run / "checkpoint"
     if how == "truncated weights":
@@ -303,13 +291,6 @@ def load_recipe_of(run):
     from atrctl.rundir import RunDir
 
     return RunDir(run).recipe()
-
-
-def test_divergence_at_an_evaluation_step_also_stops_cleanly(results, capsys):
-    sets = [flag for item in [*FAST, "run.steps=4", "eval.every=1", "optim.lr=1e10"] for flag in ("--set", item)]
-    assert main(["train", "--name", "diverged-at-eval", "--results", str(results), *sets]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: the policy diverged") and "\n" not in err, err
 
 
 def test_resume_of_the_current_directory(results, monkeypatch, capsys):
