@@ -2,15 +2,15 @@
 
 A checkpoint is a directory: model weights as safetensors, the optimiser state through
 torch.save (read back with weights_only=True: tensors and plain containers only), and the step,
-counters and RNG states as JSON.  It is written beside the old one and swapped in by rename, so a
-crash at any moment leaves a complete checkpoint behind.
+counters and RNG states as JSON.  It is written beside the old one and swapped in by rename; the one
+it replaces is kept as `checkpoint.previous`, so a crash at any moment leaves a complete checkpoint
+behind, and a checkpoint damaged later (a disk error, a truncated copy) still leaves the one before.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import shutil
 import tempfile
@@ -58,7 +58,7 @@ def restore_rng(state: TrainState) -> None:
 
 
 def save_checkpoint(directory: Path, model, optimizer, state: TrainState) -> None:
-    """Write the checkpoint to a staging directory, then swap it in for the old one."""
+    """Write the checkpoint to a staging directory, then swap it in; the old one becomes the previous."""
     directory = Path(directory)
     for stale in directory.parent.glob(f".{directory.name}.*"):  # left by a save killed mid-write
         shutil.rmtree(stale, ignore_errors=True)  # (safe: a run has one writer, `rundir.exclusive`)
@@ -69,26 +69,55 @@ def save_checkpoint(directory: Path, model, optimizer, state: TrainState) -> Non
         torch.save(optimizer.state_dict(), staging / "optimizer.pt")
         atomic.write_text(staging / "state.json", json.dumps(asdict(state)) + "\n")
         os.chmod(staging, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary result
-        previous = directory.with_name(directory.name + ".old")
-        if directory.exists():
-            # a complete checkpoint is in place, so an .old beside it is a leftover of a crash after the
-            # swap; it would block the rename below (a non-empty directory is never replaced)
-            shutil.rmtree(previous, ignore_errors=True)
-            directory.rename(previous)
+        if directory.exists():  # else a crash came between the two renames: the previous one is what there is
+            shutil.rmtree(previous_checkpoint(directory), ignore_errors=True)
+            directory.rename(previous_checkpoint(directory))
         staging.rename(directory)
-        shutil.rmtree(previous, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
+def previous_checkpoint(directory: Path) -> Path:
+    return Path(directory).with_name(Path(directory).name + ".previous")
+
+
 def find_checkpoint(directory: Path) -> Path | None:
-    """The checkpoint directory, or the previous one if a crash hit between the two renames."""
-    directory = Path(directory)
-    for candidate in (directory, directory.with_name(directory.name + ".old")):
+    """The newest checkpoint that looks complete: `directory`, else the previous one."""
+    for candidate in (Path(directory), previous_checkpoint(directory)):
         if (candidate / "state.json").is_file():
             return candidate
     return None
+
+
+def load_latest_checkpoint(directory: Path, model, optimizer) -> tuple[TrainState, Path, str | None]:
+    """Load the newest intact checkpoint in place: (its state, its path, a note saying why it is the previous
+    one, or None).  Nothing intact: the UserError naming what is wrong with the newest."""
+    problems = []
+    for candidate in (Path(directory), previous_checkpoint(directory)):
+        if not candidate.exists():
+            problems.append(f"{candidate} is missing")
+            continue
+        try:
+            state = load_checkpoint(candidate, model, optimizer)
+        except UserError as error:
+            problems.append(str(error))
+            continue
+        note = None if not problems else f"{problems[0]}; resumed from the previous checkpoint (step {state.step})"
+        return state, candidate, note
+    damaged = [problem for problem in problems if not problem.endswith(" is missing")]
+    raise UserError((damaged or problems)[0])
+
+
+def promote_previous(directory: Path) -> None:
+    """After a resume from the previous checkpoint: it becomes the checkpoint, and the damaged newer one is
+    set aside under a staging name (removed by the next save), so the next save keeps an intact previous."""
+    directory = Path(directory)
+    if directory.exists():
+        damaged = directory.with_name(f".{directory.name}.damaged")
+        shutil.rmtree(damaged, ignore_errors=True)
+        directory.rename(damaged)
+    previous_checkpoint(directory).rename(directory)
 
 
 def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
@@ -112,7 +141,7 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
             warnings.simplefilter("ignore", UserWarning)
             saved = torch.load(directory / "optimizer.pt", map_location=device, weights_only=True)
         optimizer.load_state_dict(saved)
-    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError) as error:
+    except Exception as error:  # the unpickler meets garbage with any error (IndexError on a torn file, ...)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"{directory / 'optimizer.pt'} is missing or damaged ({reason}); the run cannot resume "
                         "from it") from None  # fmt: skip

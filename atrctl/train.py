@@ -30,7 +30,8 @@ from atrctl.checkpoint import (
     TrainState,
     capture_rng,
     find_checkpoint,
-    load_checkpoint,
+    load_latest_checkpoint,
+    promote_previous,
     read_state,
     restore_rng,
     save_checkpoint,
@@ -73,8 +74,10 @@ def train(
     overwrite: bool = False,
     on_step: Callable[[dict[str, float]], None] | None = None,
     on_warmup: Callable[[int, float, float | None], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> dict | None:
     """Run (or resume) a training run in `directory`; returns the summary written to summary.json.
+    `on_notice` gets what the user should read but is not an error (a damaged checkpoint passed over).
 
     Under torchrun every rank trains on its share of each step and only rank 0 writes, evaluates
     and reports (the other ranks return None).  Everything that can fail on bad input (recipe,
@@ -84,7 +87,7 @@ def train(
     from atrctl.models import resolve_device
 
     with distributed.process_group(resolve_device(recipe.model.device)):
-        return _train(recipe, RunDir(directory), results, resume, overwrite, on_step, on_warmup)
+        return _train(recipe, RunDir(directory), results, resume, overwrite, on_step, on_warmup, on_notice)
 
 
 def _train(
@@ -95,6 +98,7 @@ def _train(
     overwrite: bool,
     on_step: Callable[[dict[str, float]], None] | None,
     on_warmup: Callable[[int, float, float | None], None] | None,
+    on_notice: Callable[[str], None] | None,
 ) -> dict | None:
     main = distributed.is_main()
     if main:
@@ -107,13 +111,8 @@ def _train(
             run_dir.check_can_start(resume, overwrite)
         state, replacing = TrainState(recipe=recipe_to_dict(recipe)), False
         try:
-            if resume:  # every rank loads the same replicated state; sampling seeds derive from the step
-                state = load_checkpoint(find_checkpoint(run_dir.checkpoint), run.model, run.optimizer)
-                _check_same_recipe(state, recipe, run_dir)
-                restore_rng(state)
-                run.sampler.load_weights(run.model)  # a backend that holds its own copy samples the resumed weights
-                if main:
-                    run_dir.trim_metrics(state.step)
+            if resume:
+                state = _resume(run, on_notice)
             elif main:
                 replacing = True
                 run_dir.create(recipe, environment(run.device))  # an old run (approved --overwrite) is moved aside
@@ -122,6 +121,23 @@ def _train(
             if replacing:
                 run_dir.restore_replaced()  # the new run logged no step: the one it was to replace comes back
             raise
+
+
+def _resume(run: Run, on_notice: Callable[[str], None] | None) -> TrainState:
+    """Load the newest intact checkpoint (every rank: the state is replicated; sampling seeds derive from the
+    step) and drop the metrics logged after it."""
+    state, where, note = load_latest_checkpoint(run.run_dir.checkpoint, run.model, run.optimizer)
+    _check_same_recipe(state, run.recipe, run.run_dir)
+    restore_rng(state)
+    run.sampler.load_weights(run.model)  # a backend that holds its own copy samples the resumed weights
+    distributed.barrier()  # every rank has read the checkpoint before rank 0 moves it
+    if distributed.is_main():
+        if where != run.run_dir.checkpoint:
+            promote_previous(run.run_dir.checkpoint)
+        run.run_dir.trim_metrics(state.step)
+        if note and on_notice is not None:
+            on_notice(note)
+    return state
 
 
 def _run_steps(

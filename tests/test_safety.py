@@ -120,8 +120,8 @@ def test_compare_overwrite_replaces_even_the_same_comparison_and_can_put_it_back
     assert tree(comparison.directory) == before and not aside(comparison.directory).exists()
 
 
-def damage(run, how):
-    checkpoint = run / "checkpoint"
+def damage(run, how, checkpoint_name="checkpoint"):
+    checkpoint = run / checkpoint_name
     if how == "truncated weights":
         data = (checkpoint / "model.safetensors").read_bytes()
         (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -160,10 +160,36 @@ def test_a_damaged_run_is_one_line_on_resume_and_stays_as_it_was(results, capsys
     train(recipe("run.steps=2", "run.checkpoint_every=1"), run, results=results)
     (run / "model").rename(run / "unfinished")  # a run stopped before the end, to be resumed
     damage(run, how)
+    damage(run, how, "checkpoint.previous")  # no intact checkpoint to fall back on
     before = tree(results)
     capsys.readouterr()  # what training the run printed
     refused(capsys, ["train", "--resume", str(run)], fragment)
     assert tree(results) == before
+
+
+@pytest.mark.parametrize(
+    ("how", "fragment"),
+    [
+        ("truncated weights", "model.safetensors is missing or damaged"),
+        ("garbage optimiser", "optimizer.pt is missing or damaged"),
+        ("state {garbage", "state.json is not a training state"),
+    ],
+)
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one_saying_so(results, capsys, how, fragment):
+    run = results / f"fallback-{hashlib.sha256(how.encode()).hexdigest()[:8]}"
+    train(recipe("run.steps=2", "run.checkpoint_every=1"), run, results=results)
+    (run / "model").rename(run / "straight")  # the final model of the uninterrupted run
+    damage(run, how)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: {run / 'checkpoint'}" in err and fragment in err, err
+    assert "resumed from the previous checkpoint (step 1)" in err, err
+    # step 2 trained again from the intact step-1 checkpoint: the same final weights, bit for bit
+    assert tree(run / "model")["model.safetensors"] == tree(run / "straight")["model.safetensors"]
+    assert json.loads((run / "checkpoint" / "state.json").read_text())["step"] == 2
+    assert json.loads((run / "checkpoint.previous" / "state.json").read_text())["step"] == 1
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_a_second_writer_is_refused_with_one_line(results, capsys):
@@ -187,6 +213,9 @@ def test_a_stale_checkpoint_staging_directory_is_cleaned_on_the_next_save(tmp_pa
     model = torch.nn.Linear(2, 2)
     save_checkpoint(tmp_path / "checkpoint", model, torch.optim.AdamW(model.parameters()), TrainState(step=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    (tmp_path / ".checkpoint.damaged").mkdir()  # what a resume from the previous checkpoint sets aside
+    save_checkpoint(tmp_path / "checkpoint", model, torch.optim.AdamW(model.parameters()), TrainState(step=2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.previous"]
 
 
 @pytest.mark.slow

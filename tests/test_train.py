@@ -19,7 +19,15 @@ from transformers import AutoModelForCausalLM
 
 from atrctl import train as train_module
 from atrctl.base_cache import ensure_base
-from atrctl.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
+from atrctl.checkpoint import (
+    TrainState,
+    find_checkpoint,
+    load_checkpoint,
+    load_latest_checkpoint,
+    promote_previous,
+    read_state,
+    save_checkpoint,
+)
 from atrctl.cli import main
 from atrctl.config import AlgoConfig, load_recipe, recipe_from_dict
 from atrctl.errors import UserError
@@ -336,23 +344,43 @@ def test_interrupt_during_the_last_step_still_finishes(results):
     assert json.loads((directory / "checkpoint" / "state.json").read_text())["step"] == 3
 
 
-def test_checkpoint_swap_recovers_from_a_crash_at_any_point(tmp_path):
+def test_checkpoint_swap_keeps_the_previous_one_and_recovers_from_a_crash_at_any_point(tmp_path):
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    directory, old = tmp_path / "checkpoint", tmp_path / "checkpoint.old"
+    directory, previous = tmp_path / "checkpoint", tmp_path / "checkpoint.previous"
     save_checkpoint(directory, model, optimizer, TrainState(step=1))
-
-    shutil.copytree(directory, old)  # crash after the swap, before the old one was removed
     save_checkpoint(directory, model, optimizer, TrainState(step=2))
-    assert not old.exists() and find_checkpoint(directory) == directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.previous"]  # no staging left
+    assert read_state(directory).step == 2 and read_state(previous).step == 1
     assert oct(directory.stat().st_mode & 0o777) == "0o755"
 
-    directory.rename(old)  # crash between the two renames: the old one is what there is
-    assert find_checkpoint(directory) == old
-    assert load_checkpoint(old, model, optimizer).step == 2
-    save_checkpoint(directory, model, optimizer, TrainState(step=3))
-    assert not old.exists() and load_checkpoint(directory, model, optimizer).step == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]  # no staging left behind
+    shutil.rmtree(previous)
+    directory.rename(previous)  # a crash between the two renames: the previous one is what there is
+    assert find_checkpoint(directory) == previous
+    state, where, note = load_latest_checkpoint(directory, model, optimizer)
+    assert (state.step, where) == (2, previous) and note.startswith(f"{directory} is missing")
+    save_checkpoint(directory, model, optimizer, TrainState(step=3))  # the previous one is kept as it is
+    assert read_state(directory).step == 3 and read_state(previous).step == 2
+
+
+def test_a_damaged_checkpoint_is_passed_over_for_the_previous_and_set_aside(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    directory = tmp_path / "checkpoint"
+    for step in (1, 2):
+        save_checkpoint(directory, model, optimizer, TrainState(step=step))
+    (directory / "optimizer.pt").write_bytes(b"torn")
+    state, where, note = load_latest_checkpoint(directory, model, optimizer)
+    assert state.step == 1 and where.name == "checkpoint.previous"
+    assert "optimizer.pt is missing or damaged" in note and note.endswith("previous checkpoint (step 1)")
+    promote_previous(directory)
+    assert read_state(directory).step == 1 and not (tmp_path / "checkpoint.previous").exists()
+    save_checkpoint(directory, model, optimizer, TrainState(step=2))  # the damaged one goes with the next save
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.previous"]
+    (directory / "model.safetensors").write_bytes(b"torn")
+    (tmp_path / "checkpoint.previous" / "model.safetensors").write_bytes(b"torn")
+    with pytest.raises(UserError, match=r"checkpoint/model.safetensors is missing or damaged"):
+        load_latest_checkpoint(directory, model, optimizer)  # nothing intact: the newest one's problem
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
