@@ -335,6 +335,7 @@ def plan_comparison(
     results: Path,
 ) -> Comparison:
     """Check every input and resolve the comparison; nothing is written (run_comparison claims the directory)."""
+    from atrctl.evaluation import check_samples_fit
     from atrctl.train import validate_algo
 
     for value, flag in ((seeds, "--seeds"), (n, "--n"), (problems, "--problems"), (jobs, "--jobs")):
@@ -343,7 +344,8 @@ def plan_comparison(
     arms = parse_arms(arm_names)
     from atrctl.tasks import get_task
 
-    get_task(recipe.task.name, **recipe.task.args).problems("test", problems, recipe.eval.seed)  # enough of them?
+    held_out = get_task(recipe.task.name, **recipe.task.args).problems("test", problems, recipe.eval.seed)  # enough?
+    check_samples_fit(len(held_out), n)
     loss_args = trust_region_args(max_kl3, eps, eps_high)
     for arm in arms:
         if arm.loss is not None:

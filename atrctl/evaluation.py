@@ -8,6 +8,7 @@ alike; `run_evaluation` is `atrctl eval` without its display.  The figures thems
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ def run_evaluation(
     with distributed.process_group(resolve_device(device)):
         task = get_task(spec.task, **spec.task_args)
         picked = task.problems(split, problems, spec.problem_seed)
+        check_samples_fit(len(picked), n)
         set_cpu_threads(distributed.cpu_threads_per_rank())
         result = evaluate_target(
             spec,
@@ -176,6 +178,37 @@ def parse_ks(text: str | None, n: int) -> list[int]:
     if ks[0] < 1 or ks[-1] > n:
         raise UserError(f"--k {text!r}: every k must be between 1 and --n ({n}); raise --n or drop the larger k")
     return ks
+
+
+# What holding one sample's outcome costs until the figures are computed: its reward and parsed answer as Python
+# objects plus their list slots (~100 bytes measured with tracemalloc for short answers), rounded up for longer ones.
+BYTES_PER_SAMPLE = 128
+
+
+def check_samples_fit(problems: int, n: int, flag: str = "--n") -> None:
+    """Refuse, before a model is loaded or a file written, an evaluation whose problems × n outcomes could not
+    be held in this machine's available memory (else it would run for hours and then be killed)."""
+    needed, available = problems * n * BYTES_PER_SAMPLE, available_memory()
+    if available is not None and needed > available:
+        raise UserError(
+            f"{problems} problems × {flag} {n} = {problems * n:,} samples need about {needed / 2**30:,.1f} GiB "
+            f"to hold, more than the {available / 2**30:,.1f} GiB available: lower {flag} or --problems"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable; else free pages; None if unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def sample_chunks(problems: int, n: int, batch_size: int) -> list[range]:

@@ -253,6 +253,8 @@ def test_training_children_end_when_their_compare_is_killed():
         (["compare", "grpo", "atr", "--problems", "10000000"], "lower n"),
         (["warmup", "--results", "/proc/atrctl-unwritable"], "choose a writable --results"),
         (["eval", "tiny", "--task", "gsm8k", "--task-arg", "path=bad.jsonl", "--max-new-tokens", "4"], "not UTF-8"),
+        (["eval", "tiny", "--task", "arith", "--max-new-tokens", "4", "--n", str(10**12)], "GiB available"),
+        (["compare", "grpo", "atr", "--n", str(10**12), "--problems", "10"], "lower --n or --problems"),
     ],
 )
 def test_more_bad_input_is_one_line_before_any_work(workspace, capsys, argv, fragment):
