@@ -438,7 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = app(args=argv, prog_name="atrctl", standalone_mode=False, obj=invocation)
     except UserError as error:
-        stderr.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
+        from atrctl.distributed import is_main, rank
+
+        if is_main() or not error.shared:  # under torchrun a shared refusal is said once
+            where = "" if is_main() else f"[rank {rank()}] "
+            stderr.print(f"{where}error: {error}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except typer.TyperException as error:  # typer's own parse errors (it vendors click)
         stderr.print(

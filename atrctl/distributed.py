@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import subprocess
 import sys
 
 import torch
@@ -80,6 +79,27 @@ def main_first():
         barrier()
 
 
+def decided_by_main(check) -> None:
+    """Run `check()` on rank 0 alone; a UserError it raises is raised on every rank, so no rank goes on to wait
+    in a collective for one that has stopped (and each exits with the same one line and code)."""
+    from atrctl.errors import UserError
+
+    message = None
+    if is_main():
+        try:
+            check()
+        except UserError as error:
+            message = str(error)
+    if _active():
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if message is not None:
+        error = UserError(message)
+        error.shared = True
+        raise error
+
+
 def all_sum(tensor: torch.Tensor) -> torch.Tensor:
     """In place sum over ranks; returns the tensor."""
     if _active():
@@ -135,18 +155,36 @@ def sum_gradients(parameters) -> None:
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:
-    """Run `atrctl <argv>` in `nproc` processes under torchrun; its exit code."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "atrctl",
-        *torchrun_argv(argv),
-    ]
-    return subprocess.run(command, check=False).returncode
+    """Run `atrctl <argv>` in `nproc` processes on this machine, as torchrun does (its elastic agent, in this
+    process); the exit code of the first process that failed (128 + signal for a killed one), else 0.  The
+    agent's own report of a failure is silenced: the failing process has already said why, in one line."""
+    import logging
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+    )
+    for name in list(logging.root.manager.loggerDict):  # each sets its own level, so the parent's is not enough
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, sys.executable)("-m", "atrctl", *torchrun_argv(argv))
+    except ChildFailedError as failed:
+        _, failure = failed.get_first_failure()
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except SignalException as interrupted:  # Ctrl-C or SIGTERM: the processes got it too, and have checkpointed
+        return 128 + int(interrupted.sigval)
+    return 0
 
 
 def torchrun_argv(argv: list[str]) -> list[str]:

@@ -6,4 +6,7 @@ raise it anywhere without knowing it is called from a terminal.
 
 
 class UserError(ValueError):
-    """Bad input: the message names the problem and how to fix it."""
+    """Bad input: the message names the problem and how to fix it.  `shared`: every rank of a torchrun job
+    raised it together (`distributed.decided_by_main`), so rank 0 alone prints it."""
+
+    shared = False

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,14 +101,18 @@ def _train(
     on_notice: Callable[[str], None] | None,
 ) -> dict | None:
     main = distributed.is_main()
-    if main:
-        run_dir.check_can_start(resume, overwrite)  # fails fast, before the lock file exists
+    # rank 0 decides and every rank abides, so none is left waiting in a collective for a refused one
+    distributed.decided_by_main(lambda: run_dir.check_can_start(resume, overwrite))  # before the lock file exists
     summary_writer = _tensorboard_writer() if recipe.run.tensorboard and main else None
     run = build_run(recipe, run_dir, results, on_warmup)  # every input checked: the lock file comes after
-    with exclusive(run_dir.path) if main else nullcontext():  # one writer per run directory
-        if main:  # again, now that no other process can change the answer
+    with ExitStack() as held:
+
+        def claim() -> None:  # one writer per run directory; then the check again, now that nobody can change it
+            held.enter_context(exclusive(run_dir.path))
             run_dir.recover()
             run_dir.check_can_start(resume, overwrite)
+
+        distributed.decided_by_main(claim)
         state, replacing = TrainState(recipe=recipe_to_dict(recipe)), False
         try:
             if resume:

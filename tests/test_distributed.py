@@ -237,3 +237,23 @@ def test_nproc_relaunches_under_torchrun(results, single):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert len((results / "nproc" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_refusal_under_nproc_is_one_line_from_every_rank_together(results, single):
+    """Rank 0 alone checks the lock; the others abide by its answer instead of waiting for it in a
+    collective, and the launcher adds no report of its own."""
+    from atrctl.rundir import exclusive
+
+    env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    with exclusive(single):  # another writer holds the run
+        done = subprocess.run(
+            [sys.executable, "-m", "atrctl", "train", "--nproc", "2", "--resume", str(single)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [f"error: {single} is being written by process {os.getpid()}: "
+                                                "wait for it to finish, or stop it"]  # fmt: skip
