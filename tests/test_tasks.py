@@ -10,7 +10,7 @@ import pytest
 
 from atrctl.errors import UserError
 from atrctl.tasks import TASKS, Problem, get_task
-from atrctl.tasks.mathcheck import final_number, last_boxed
+from atrctl.tasks.answer import answer_number, find_answer, last_boxed
 
 DATA = Path(__file__).parent / "data"
 ALPHABET = set(string.digits + "+-*/()=<>.,:;?! " + string.ascii_lowercase + "\n")
@@ -176,10 +176,13 @@ def test_gsm8k_fixture_loads_and_scores():
 
 
 def test_gsm8k_answer_parsing():
-    assert final_number("first 3, then 5\n#### 1,234\nlater 9") == "1234"
-    assert final_number("costs $18.50 then 7.0") == "7"
-    assert final_number("#### $-12") == "-12"
-    assert final_number("nothing here") is None
+    def number(text):
+        return answer_number(find_answer(text))
+
+    assert number("first 3, then 5\n#### 1,234\nlater 9") == "1234"  # "####" outranks a later number
+    assert number("costs $18.50 then 7.0") == "7"  # the last line's last number, normalized
+    assert number("#### $-12") == "-12"
+    assert number("nothing here") is None
 
 
 def test_last_boxed_matches_nested_braces():
@@ -295,3 +298,26 @@ def test_verifiers_read_ascii_digits_only():
     assert countdown.score(problem, problem.solution).reward == 1
     foreign = "".join("٠١٢٣٤٥٦٧٨٩"[int(c)] if c.isdigit() else c for c in problem.solution)
     assert countdown.score(problem, foreign).reward == 0
+
+
+VERDICTS = json.loads((DATA / "verdicts.json").read_text())
+DATA_PATHS = {"gsm8k": DATA / "gsm8k_sample.jsonl", "math": DATA / "math_sample.jsonl"}
+
+
+@pytest.mark.parametrize("row", VERDICTS, ids=[f"{r['task']}-{i}" for i, r in enumerate(VERDICTS)])
+def test_verifiers_agree_with_a_careful_reader_on_realistic_completions(row):
+    """tests/data/verdicts.json: completions in the styles instruct models write (and the compact outputs of
+    the character models), each with the verdict a careful human gives."""
+    args = {"format": row["format"]} | ({"path": str(DATA_PATHS[row["task"]])} if row["task"] in DATA_PATHS else {})
+    task = get_task(row["task"], **args)
+    key = row["prompt"].rstrip(":") or "x"
+    problem = Problem(id=f"{row['task']}-{key}", prompt=row["prompt"], answer=row["answer"], solution="")
+    assert task.score(problem, row["completion"]).reward == float(row["correct"]), row["note"]
+
+
+def test_the_verdict_table_covers_every_task_in_both_formats():
+    assert len(VERDICTS) >= 60
+    assert {r["task"] for r in VERDICTS} == set(TASKS)
+    formats = {(r["task"], r["format"]) for r in VERDICTS}
+    assert formats >= {("arith", "compact"), ("arith", "instruct"), ("countdown", "compact"), ("countdown", "instruct")}
+    assert sum(not r["correct"] for r in VERDICTS) >= 20  # wrong answers, not only right ones

@@ -45,7 +45,8 @@ def test_base_is_built_once_and_reused(tmp_path, monkeypatch):
     path, info = base_cache.ensure_base(recipe, tmp_path)
     assert path == tmp_path / "bases" / base_cache.base_key(recipe)
     assert info["steps"] == 30 and [step for step, _ in info["history"]] == [10, 20, 30]
-    assert 0.0 <= info["accuracy"] <= 1.0 and info["identity"]["task_args"] == {"digits": 1, "ops": "+"}
+    assert 0.0 <= info["accuracy"] <= 1.0
+    assert info["identity"]["task_args"] == {"digits": 1, "ops": "+", "format": "compact"}
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.num_hidden_layers == 2
     assert sorted(p.name for p in (tmp_path / "bases").iterdir()) == [path.name]  # no staging left behind

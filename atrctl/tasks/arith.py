@@ -1,33 +1,36 @@
 """Integer arithmetic, "407+058=" -> "465": the smallest verifiable task, learnable by a tiny char model.
 
-Operands are zero-padded to `digits` so every prompt of a task has the same shape. A problem is in the
+In the compact format operands are zero-padded to `digits` so every prompt of a task has the same shape,
+and the completion's first line is the answer; the instruct format asks "What is 407 + 58?" and reads
+the answer stated anywhere in the reply (`atrctl.tasks.answer`). A problem is in the
 test split by a stable hash of its operands (with a+b and b+a sharing one key, so commuting a test problem
 does not leak it into training). Problems within one call are distinct; asking for more than a split holds
 is a UserError, not silent repetition.
 """
 
 import random
-import re
 from dataclasses import dataclass
 from itertools import product
 
 from atrctl.errors import UserError
-from atrctl.tasks.problem import Problem, Score, check_request, require_int
+from atrctl.tasks.answer import answer_number, find_answer, leading_number, same_number
+from atrctl.tasks.problem import Problem, Score, check_format, check_request, require_int
 from atrctl.tasks.split import split_of, take
 
 OPS = "+-*"
 ENUMERATE_LIMIT = 30_000  # spaces up to this size are listed in full (digits <= 2); larger ones are sampled
 MAX_ANSWER_DIGITS = 40
-
-_LEADING_INT = re.compile(r" *(-?[0-9]+)")  # ASCII digits only: "٣" or "３" is no answer
+INSTRUCTION = 'End your reply with "Answer: " followed by the number.'
+_SYMBOLS = {"+": "+", "-": "-", "*": "×"}
 
 
 @dataclass(frozen=True)
 class ArithTask:
-    """digits: operand width (1-9); ops: which of "+-*" to draw from, e.g. "+-"."""
+    """digits: operand width (1-9); ops: which of "+-*" to draw from, e.g. "+-"; format: compact or instruct."""
 
     digits: int = 3
     ops: str = "+"
+    format: str = "compact"
     name = "arith"
 
     def __post_init__(self):
@@ -39,6 +42,11 @@ class ArithTask:
             or len(set(self.ops)) < len(self.ops)
         ):
             raise UserError(f"arith parameter ops={self.ops!r} is invalid; use distinct characters from {OPS!r}")
+        check_format("arith", self.format)
+
+    @property
+    def instruction(self) -> str:
+        return INSTRUCTION if self.format == "instruct" else ""
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
         check_request(split, n)
@@ -61,14 +69,23 @@ class ArithTask:
         return [self._problem(*t) for t in picked]
 
     def score(self, problem: Problem, completion: str) -> Score:
-        parsed = parse_leading_int(completion)
-        return Score(float(parsed == problem.answer), parsed)
+        if self.format == "compact":  # the completion is the answer
+            parsed = leading_number(completion)
+        else:
+            parsed = answer_number(find_answer(completion))
+        if parsed is not None and len(parsed.lstrip("-")) > MAX_ANSWER_DIGITS:
+            parsed = None
+        return Score(float(same_number(parsed, problem.answer)), parsed)
 
     def _problem(self, op: str, a: int, b: int) -> Problem:
         d = self.digits
         expr = f"{a:0{d}d}{op}{b:0{d}d}"
         answer = str({"+": a + b, "-": a - b, "*": a * b}[op])
-        return Problem(id=f"arith-{d}d-{expr}", prompt=f"{expr}=", answer=answer, solution=answer)
+        if self.format == "compact":
+            return Problem(id=f"arith-{d}d-{expr}", prompt=f"{expr}=", answer=answer, solution=answer)
+        worked = f"{a} {_SYMBOLS[op]} {b} = {answer}"
+        return Problem(id=f"arith-{d}d-{expr}", prompt=f"What is {a} {_SYMBOLS[op]} {b}?", answer=answer,
+                       solution=f"{worked}\nAnswer: {answer}")  # fmt: skip
 
 
 def _key(op: str, a: int, b: int) -> str:
@@ -76,11 +93,3 @@ def _key(op: str, a: int, b: int) -> str:
     if op in "+*":
         a, b = min(a, b), max(a, b)
     return f"{a}{op}{b}"
-
-
-def parse_leading_int(text: str) -> str | None:
-    """The integer the text starts with (leading spaces and '-' allowed), normalized; None if there is none."""
-    match = _LEADING_INT.match(text)
-    if match is None or len(match[1]) > MAX_ANSWER_DIGITS:
-        return None
-    return str(int(match[1]))

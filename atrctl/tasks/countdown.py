@@ -4,38 +4,52 @@ Each problem is made by drawing numbers and a random expression tree over all of
 least one solution (kept as `solution`). Every step of that tree stays a positive integer, as in the game;
 the verifier is more lenient and accepts any expression with exact rational steps that uses each given
 number at most once. The prompt lists the numbers sorted, so one multiset and target is one problem, and
-its split is a stable hash of the prompt.
+its split is a stable hash of the prompt. The compact format's completion is the expression; the instruct
+format asks in words and reads the expression from the stated answer (`atrctl.tasks.answer`), written
+with ASCII or typeset operators (× ÷ −).
 """
 
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass
 
 from atrctl.errors import UserError
+from atrctl.tasks.answer import find_answer, plain
 from atrctl.tasks.expr import ExprError, evaluate
-from atrctl.tasks.problem import Problem, Score, check_request, require_int
+from atrctl.tasks.problem import Problem, Score, check_format, check_request, require_int
 from atrctl.tasks.split import split_of
 
 ATTEMPTS_PER_PROBLEM = 1000
 _LEAF = 3  # precedence of a bare number; '+'/'-' are 1, '*'/'/' are 2
 
 Node = tuple[str, int, int]  # (text, value, precedence)
+INSTRUCTION = 'End your reply with "Answer: " followed by the expression.'
+_TYPESET = str.maketrans({"×": "*", "·": "*", "÷": "/", "−": "-", "–": "-", "[": "(", "]": ")"})
+_LATEX_OPS = re.compile(r"\\(times|cdot|div|left|right)\b")
+_EXPRESSION = re.compile(r"[0-9+\-*/() ]+")  # a run of expression characters (one pass: no backtracking)
 
 
 @dataclass(frozen=True)
 class CountdownTask:
     """count: numbers per problem (2-6); max_number: numbers are drawn from 1..max_number;
-    max_target: targets lie in 1..max_target."""
+    max_target: targets lie in 1..max_target; format: compact or instruct."""
 
     count: int = 3
     max_number: int = 20
     max_target: int = 100
+    format: str = "compact"
     name = "countdown"
 
     def __post_init__(self):
         require_int("countdown", "count", self.count, 2, 6)
         require_int("countdown", "max_number", self.max_number, 1, 1000)
         require_int("countdown", "max_target", self.max_target, 1, 1_000_000)
+        check_format("countdown", self.format)
+
+    @property
+    def instruction(self) -> str:
+        return INSTRUCTION if self.format == "instruct" else ""
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
         check_request(split, n)
@@ -52,9 +66,7 @@ class CountdownTask:
                 continue
             prompt = f"{','.join(map(str, sorted(numbers)))}>{node[1]}:"
             if prompt not in found and split_of(prompt) == split:
-                found[prompt] = Problem(
-                    id=f"countdown-{prompt[:-1]}", prompt=prompt, answer=str(node[1]), solution=node[0]
-                )
+                found[prompt] = self._problem(prompt, sorted(numbers), node)
         if len(found) < n:
             raise UserError(
                 f"found only {len(found)} distinct countdown {split} problems with count={self.count}, "
@@ -63,20 +75,51 @@ class CountdownTask:
         return list(found.values())
 
     def score(self, problem: Problem, completion: str) -> Score:
-        numbers, target = parse_prompt(problem.prompt)
+        # the compact prompt is the problem's key; an instruct prompt is words, its id carries the key
+        numbers, target = parse_prompt(problem.prompt if self.format == "compact" else problem.id.split("-", 1)[1])
+        if self.format == "compact":  # the first line is the expression, whole (its value may follow an "=")
+            text = completion.partition("\n")[0].partition("=")[0]
+        else:
+            text = stated_expression(completion)
         try:
-            value, used = evaluate(completion.partition("\n")[0])
+            value, used = evaluate(text)
         except ExprError:
             return Score(0.0, None)
         if Counter(used) - Counter(numbers):
             return Score(0.0, None)
         return Score(float(value == target), str(value))
 
+    def _problem(self, key: str, numbers: list[int], node: Node) -> Problem:
+        target, id = node[1], f"countdown-{key[:-1]}"
+        if self.format == "compact":
+            return Problem(id=id, prompt=key, answer=str(target), solution=node[0])
+        listed = ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
+        prompt = (f"Using the numbers {listed}, each at most once, with + - * / and parentheses, "
+                  f"write an expression that equals {target}.")  # fmt: skip
+        return Problem(id=id, prompt=prompt, answer=str(target), solution=f"{node[0]} = {target}\nAnswer: {node[0]}")
+
 
 def parse_prompt(prompt: str) -> tuple[list[int], int]:
-    """The numbers and target of a prompt made by CountdownTask, "3,5,7>22:" -> ([3, 5, 7], 22)."""
+    """The numbers and target of a compact prompt (or problem id), "3,5,7>22:" -> ([3, 5, 7], 22)."""
     numbers, target = prompt.rstrip(":").split(">")
     return [int(x) for x in numbers.split(",")], int(target)
+
+
+def stated_expression(completion: str) -> str:
+    """The expression a reply gives as its answer: the stated answer (`find_answer`), typeset operators made
+    ASCII, and of "3 * 5 + 7 = 22" the side with operators; "" if there is none."""
+    found = find_answer(completion)
+    return "" if found is None else expression_in(found.text)
+
+
+def expression_in(text: str) -> str:
+    """The arithmetic expression in a line: "So 3 × 5 + 7 = 22." -> "3 * 5 + 7" (the last run of expression
+    characters on the last side of an "=" that has an operator); "" if there is none."""
+    ops = {"times": "*", "cdot": "*", "div": "/", "left": "", "right": ""}
+    text = _LATEX_OPS.sub(lambda m: ops[m[1]], plain(text)).translate(_TYPESET)
+    sides = [side for side in text.split("=") if re.search(r"[0-9)]\s*[-+*/]", side)]
+    runs = [run for run in _EXPRESSION.findall(sides[-1] if sides else text) if re.search("[0-9]", run)]
+    return runs[-1].strip() if runs else ""
 
 
 def _random_tree(numbers: list[int], rng: random.Random) -> Node | None:

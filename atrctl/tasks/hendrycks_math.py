@@ -1,36 +1,49 @@
 r"""MATH (Hendrycks et al.): competition problems whose answer is the last \boxed{...} of the solution."""
 
+from atrctl.tasks.answer import find_answer, last_boxed
 from atrctl.tasks.data import load_problems
-from atrctl.tasks.mathcheck import extract, last_boxed, matches
-from atrctl.tasks.problem import Problem, Score, check_request
+from atrctl.tasks.mathcheck import extract, matches
+from atrctl.tasks.problem import Problem, Score, check_format, check_request
 from atrctl.tasks.split import stable_hash, take
 
 FIELDS = ("problem", "solution")
 MAX_ANSWER_CHARS = 1000  # bounds the sympy work per completion, which has no timeout off the main thread
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 class MathTask:
     r"""path: hub name or local .json/.jsonl/.parquet with problem/solution rows (an `answer` field, as in
-    MATH-500, is used when present); config: hub config; test_path: optional separate local test file.
+    MATH-500, is used when present); config: hub config; test_path: optional separate local test file;
+    format: compact (the problem and a newline) or instruct (the problem, and an instruction to box the answer).
 
-    Prompt: the problem and a newline. A completion's answer is its last \boxed{...}, else the whole
-    completion (if short); it is compared with math-verify, so 0.5 matches \frac{1}{2}.
+    A completion's answer is found by `atrctl.tasks.answer` (last \boxed{}, "####", "answer is", the last
+    line) and compared with math-verify, so 0.5 matches \frac{1}{2}.
     """
 
     name = "math"
 
     def __init__(
-        self, path: str = "DigitalLearningGmbH/MATH-lighteval", config: str | None = None, test_path: str | None = None
+        self,
+        path: str = "DigitalLearningGmbH/MATH-lighteval",
+        config: str | None = None,
+        test_path: str | None = None,
+        format: str = "compact",
     ):
-        self._problems = load_problems(self.name, path, config, test_path, FIELDS, _problem)
+        check_format(self.name, format)
+        self.format = format
+        self.instruction = INSTRUCTION if format == "instruct" else ""
+        suffix = "\n" if format == "compact" else ""
+        self._problems = load_problems(self.name, path, config, test_path, FIELDS, lambda row: _problem(row, suffix))
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
         check_request(split, n)
         return take(self._problems[split], n, seed, f"math {split} problems")
 
     def score(self, problem: Problem, completion: str) -> Score:
-        boxed = last_boxed(completion)
-        text = completion if boxed is None else f"\\boxed{{{boxed}}}"
+        found = find_answer(completion)
+        if found is None:
+            return Score(0.0, None)
+        text = f"\\boxed{{{found.text}}}" if found.rule == "boxed" else found.text
         if len(text) > MAX_ANSWER_CHARS:
             return Score(0.0, None)
         prediction = extract(text)
@@ -39,11 +52,11 @@ class MathTask:
         return Score(float(matches(problem.answer, prediction)), prediction[-1])
 
 
-def _problem(row: dict) -> Problem | None:
+def _problem(row: dict, suffix: str) -> Problem | None:
     statement, solution = str(row["problem"]), str(row["solution"])
     answer = row.get("answer") or last_boxed(solution)
     if not answer:
         return None
     return Problem(
-        id=f"math-{stable_hash(statement):016x}", prompt=f"{statement}\n", answer=str(answer), solution=solution
+        id=f"math-{stable_hash(statement):016x}", prompt=statement + suffix, answer=str(answer), solution=solution
     )

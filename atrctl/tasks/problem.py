@@ -28,6 +28,7 @@ class Score:
 
 class Task(Protocol):
     name: str
+    instruction: str  # what the prompt format asks of the answer ("" for none): `task.instruction = "auto"`
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]: ...
 
@@ -46,6 +47,17 @@ def require_int(task: str, name: str, value: object, lo: int, hi: int) -> None:
     """Task parameters come from TOML or the command line, so check type and range once, up front."""
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise UserError(f"{task} parameter {name}={value!r} is invalid; use an integer from {lo} to {hi}")
+
+
+# How a task's prompts are written and its answers read.  compact: the bare problem, the completion *is* the
+# answer (what the character models learn); instruct: the problem in words with an instruction on how to
+# state the answer, read by `atrctl.tasks.answer.find_answer` (what instruct models expect).
+FORMATS = ("compact", "instruct")
+
+
+def check_format(task: str, format: object) -> None:
+    if format not in FORMATS:
+        raise UserError(f"{task} parameter format={format!r} is invalid; use one of {', '.join(FORMATS)}")
 
 
 def problem_pool(task: Task, split: str, n: int, seed: int) -> list[Problem]:
