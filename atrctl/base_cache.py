@@ -50,6 +50,7 @@ def base_identity(recipe: Recipe) -> dict:
         "arch": recipe.model.arch,
         "alphabet": CHAR_ALPHABET,
         "warmup": dataclasses.asdict(recipe.warmup),
+        **({"instruction": recipe.task.instruction} if recipe.task.instruction != "auto" else {}),
     }
 
 
@@ -82,6 +83,7 @@ def ensure_base(
         return target, info
 
     from atrctl.models import build_char_tokenizer, build_model, resolve_device, set_cpu_threads
+    from atrctl.prompts import prompt_style
     from atrctl.tasks import get_task
     from atrctl.warmup import warm_up
 
@@ -96,7 +98,8 @@ def ensure_base(
     tokenizer = build_char_tokenizer()
     model = build_model(recipe.model.base, tokenizer, arch=recipe.model.arch, seed=recipe.warmup.seed)
     model.to(resolve_device(recipe.model.device))
-    result = warm_up(model, tokenizer, task, recipe.warmup, on_progress)
+    style = prompt_style(task, chat_template=False, instruction=recipe.task.instruction)  # presets have no chat
+    result = warm_up(model, tokenizer, task, recipe.warmup, on_progress, style)
 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

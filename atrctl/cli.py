@@ -314,6 +314,24 @@ def eval_command(
         Path | None, typer.Option(help=r"Output folder \[default: <run>/eval, results/eval-<model>].")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing evaluation in the output folder.")] = False,
+    chat_template: Annotated[
+        bool | None,
+        typer.Option(
+            "--chat-template/--no-chat-template", help=r"Wrap prompts in the chat template \[default: the run's; off]."
+        ),
+    ] = None,
+    system_prompt: Annotated[
+        str | None, typer.Option(help=r"Chat system message \[default: the run's; the template's own].")
+    ] = None,
+    instruction: Annotated[
+        str | None,
+        typer.Option(help=r"Line after each problem; 'auto': the task format's, '': none \[default: the run's; auto]."),
+    ] = None,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest set of tokens of this mass.")] = 1.0,
+    completions: Annotated[
+        str,
+        typer.Option(help="Sampled completions per problem written to samples.jsonl (with the greedy one), or 'all'."),
+    ] = "4",
     nproc: NprocOption = None,
 ) -> None:
     """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy: table, CSV, markdown and plot.
@@ -335,8 +353,14 @@ def eval_command(
             raise UserError(f"{flag} must be at least 1 (got {value}){hint}")
     _check_nproc(nproc)
     _positive(temperature, "--temperature")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise UserError(f"--top-p must be in (0, 1] (got {top_p}); e.g. --top-p 0.95")
     ks = parse_ks(k, n)
-    spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out)
+    if completions != "all" and not (completions.isdigit() and completions.isascii()):
+        raise UserError(f"--completions {completions!r}: give a count (e.g. 4, or 0 for the greedy ones only) or 'all'")
+    keep = None if completions == "all" else int(completions)
+    prompt = dict(chat_template=chat_template, system_prompt=system_prompt, instruction=instruction)
+    spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out, **prompt)
     if has_evaluation(spec.directory) and not overwrite:
         raise UserError(
             f"{spec.directory} already holds an evaluation; pass --overwrite to replace it or --out elsewhere"
@@ -354,6 +378,8 @@ def eval_command(
         seed=seed,
         device=device,
         batch_size=batch_size,
+        top_p=top_p,
+        keep=keep,
     )
     with display.sampling_bar(problems) if distributed.is_main() else nullcontext() as on_progress:
         done = run_evaluation(spec, target, **settings, on_progress=on_progress)

@@ -37,6 +37,11 @@ class TaskConfig:
     """Task parameters beyond the task's defaults, e.g. {digits = 2} for arith or {path = "gsm8k.jsonl"} for gsm8k."""
     chat_template: bool = False
     """Wrap prompts in the tokenizer's chat template (instruct models)."""
+    system_prompt: str = ""
+    """The chat's system message ("": the template's own default; needs chat_template)."""
+    instruction: str = "auto"
+    """Appended on its own line after each problem: "auto" is the task format's own (args.format = "instruct"
+    asks for a boxed or "Answer:" line; compact has none), "" is none, any other text replaces it."""
 
 
 @dataclass
@@ -327,7 +332,10 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
         if not isinstance(values, dict):
             raise UserError(f"'{section}' must be a table ([{section}]), got {type(values).__name__}")
         sections[section] = _build_section(section, hints[section], values)
-    return Recipe(**sections)
+    recipe = Recipe(**sections)
+    if recipe.task.system_prompt and not recipe.task.chat_template:
+        raise UserError("task.system_prompt needs the chat template: set task.chat_template = true")
+    return recipe
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

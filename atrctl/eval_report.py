@@ -1,7 +1,8 @@
-"""The files of one evaluation: passk.csv, passk.md and passk.png (docs/design.md §5, <run>/eval/)."""
+"""The files of one evaluation: passk.csv, passk.md, passk.png and samples.jsonl (docs/design.md §5, <run>/eval/)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,8 +66,11 @@ def plot_passk_curves(curves: Sequence[Curve], title: str) -> Figure:
 
 
 def write_eval(result: EvalResult, ks: Sequence[int], directory: Path, title: str) -> list[Path]:
-    """Write passk.csv, passk.md and passk.png atomically into directory; returns their paths."""
+    """Write passk.csv, passk.md, passk.png and samples.jsonl (the completions kept) atomically into
+    directory; returns their paths."""
     directory.mkdir(parents=True, exist_ok=True)
+    samples_path = directory / "samples.jsonl"
+    atomic.write_text(samples_path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in result.completions))
     frame = passk_frame(result, ks)
     csv_path, md_path, png_path = (directory / f"passk.{ext}" for ext in ("csv", "md", "png"))
     atomic.write_text(md_path, passk_markdown(result, frame, title))
@@ -78,4 +82,4 @@ def write_eval(result: EvalResult, ks: Sequence[int], directory: Path, title: st
     with atomic.atomic_path(png_path) as tmp:
         figure.savefig(tmp, format="png", dpi=130)
     atomic.write_text(csv_path, frame.to_csv(index=False, float_format="%.6f"))  # last: rundir.has_evaluation
-    return [csv_path, md_path, png_path]
+    return [csv_path, md_path, png_path, samples_path]

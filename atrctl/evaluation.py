@@ -19,8 +19,11 @@ import numpy as np
 from atrctl import distributed
 from atrctl.errors import UserError
 from atrctl.passk import EvalResult, default_ks
+from atrctl.prompts import PLAIN, PromptStyle
 from atrctl.rundir import RunDir
 from atrctl.tasks import Problem, Task
+
+DEFAULT_KEEP = 4  # sampled completions per problem written to samples.jsonl (beside its greedy one)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,14 @@ class EvalTarget:
     problem_seed: int  # the held-out problems training evaluated on (eval.seed), shared by every run
     directory: Path  # where its evaluation files go
     backend: str = "hf"  # the rollout backend that samples (a run's rollout.backend)
+    system_prompt: str = ""  # the [task] prompt keys (`atrctl.prompts`)
+    instruction: str = "auto"
+
+    def style(self, task: Task):
+        """The prompt style for `task` (its "auto" instruction resolved)."""
+        from atrctl.prompts import prompt_style
+
+        return prompt_style(task, self.chat_template, self.system_prompt, self.instruction)
 
 
 def eval_target(
@@ -44,10 +55,20 @@ def eval_target(
     task_args: dict | None = None,
     max_new_tokens: int | None = None,
     out: Path | None = None,
+    *,
+    chat_template: bool | None = None,
+    system_prompt: str | None = None,
+    instruction: str | None = None,
 ) -> EvalTarget:
-    """TARGET resolved: a run directory brings its own recipe (task, chat template, lengths, dtype); a model
-    directory or hub name needs `task` and `max_new_tokens`."""
+    """TARGET resolved: a run directory brings its own recipe (task, prompt style, lengths, dtype), which the
+    arguments given override; a model directory or hub name needs `task` and `max_new_tokens`, and its
+    prompts are the task's as written unless the style arguments say otherwise."""
+    from dataclasses import replace
+
     from atrctl.config import EvalConfig
+
+    given = {"chat_template": chat_template, "system_prompt": system_prompt, "instruction": instruction}
+    overrides = {key: value for key, value in given.items() if value is not None}
 
     task_args = task_args or {}
     run = RunDir(Path(target).expanduser())
@@ -56,7 +77,7 @@ def eval_target(
         if not run.finished:  # evaluation needs the final model
             raise UserError(f"run {run.path} has no final model in {run.model}: finish (or resume) its training")
         name, args = (task, task_args) if task else (recipe.task.name, {**recipe.task.args, **task_args})
-        return EvalTarget(
+        spec = EvalTarget(
             str(run.model),
             name,
             args,
@@ -66,7 +87,10 @@ def eval_target(
             recipe.eval.seed,
             out or run.eval,
             recipe.rollout.backend,
+            recipe.task.system_prompt,
+            recipe.task.instruction,
         )
+        return replace(spec, **overrides)
     if task is None:
         raise UserError(f"{target} is not a run directory (no config.toml): name its task, e.g. --task arith")
     if max_new_tokens is None:
@@ -76,7 +100,7 @@ def eval_target(
         )
     path = run.path
     stem = path.name if path.name != "model" else path.parent.name
-    return EvalTarget(
+    spec = EvalTarget(
         target,
         task,
         task_args,
@@ -86,6 +110,7 @@ def eval_target(
         EvalConfig().seed,
         out or Path("results") / f"eval-{stem}",
     )
+    return replace(spec, **overrides)
 
 
 def evaluate_target(
@@ -97,7 +122,9 @@ def evaluate_target(
     temperature: float,
     seed: int,
     device: str,
+    top_p: float = 1.0,
     batch_size: int = 1024,
+    keep: int | None = DEFAULT_KEEP,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
     """Load the target's model and evaluate it on `problems` of `task` (the caller builds the task and picks
@@ -114,8 +141,10 @@ def evaluate_target(
         temperature=temperature,
         seed=seed,
         max_new_tokens=spec.max_new_tokens,
-        chat_template=spec.chat_template,
+        style=spec.style(task),
+        top_p=top_p,
         batch_size=batch_size,
+        keep=keep,
         backend=spec.backend,
         on_progress=on_progress,
     )
@@ -133,6 +162,8 @@ def run_evaluation(
     seed: int,
     device: str,
     batch_size: int,
+    top_p: float = 1.0,
+    keep: int | None = DEFAULT_KEEP,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[EvalResult, str, list[Path]] | None:
     """`atrctl eval`: sample (this process's share of) the problems; rank 0 writes the three files and gets
@@ -143,6 +174,7 @@ def run_evaluation(
 
     with distributed.process_group(resolve_device(device)):
         task = get_task(spec.task, **spec.task_args)
+        style = spec.style(task)  # a bad combination of prompt settings: refused before the model loads
         picked = task.problems(split, problems, spec.problem_seed)
         check_samples_fit(len(picked), n)
         set_cpu_threads(distributed.cpu_threads_per_rank())
@@ -154,12 +186,15 @@ def run_evaluation(
             temperature=temperature,
             seed=seed,
             device=device,
+            top_p=top_p,
             batch_size=batch_size,
+            keep=keep,
             on_progress=on_progress if distributed.is_main() else None,
         )
         if not distributed.is_main():
             return None
-        setting = f"{spec.task} {split}, {len(picked)} problems, n={n}, T={temperature:g}"
+        nucleus = f", top-p={top_p:g}" if top_p < 1 else ""
+        setting = f"{spec.task} {split}, {len(picked)} problems, n={n}, T={temperature:g}{nucleus}, {style.describe()}"
         try:
             paths = write_eval(result, ks, spec.directory, f"{target}: {setting}")
         except OSError as error:
@@ -232,12 +267,15 @@ def evaluate_model(
     temperature: float,
     seed: int,
     max_new_tokens: int,
-    chat_template: bool = False,
+    style: PromptStyle = PLAIN,
+    top_p: float = 1.0,
     batch_size: int = 1024,
     backend: str = "hf",
+    keep: int | None = DEFAULT_KEEP,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
-    """A greedy completion and n samples for each problem, scored by the task.
+    """A greedy completion and n samples for each problem, scored by the task; the greedy completion and the
+    first `keep` samples of every problem (None: all) are kept as text in `result.completions`.
 
     Problems are sampled in chunks of max(1, batch_size // n) whole problems (at most about
     `batch_size` completions, cut at multiples of the chunk size), each chunk from its own generator
@@ -250,20 +288,30 @@ def evaluate_model(
     import torch
 
     from atrctl.models import numerics
+    from atrctl.prompts import encode_prompts, prompt_text
     from atrctl.rollout import rollout_backend
-    from atrctl.scoring import encode_prompts, sampled_scores
+    from atrctl.scoring import sampled_scores
 
     if n < 1:
         raise ValueError(f"n={n} must be at least 1")
     started = time.perf_counter()
     rank, world = distributed.shard()
-    prompt_ids = encode_prompts(tokenizer, problems, chat_template)
+    prompt_ids = encode_prompts(tokenizer, problems, style)
     device = next(model.parameters()).device
     sampler = rollout_backend(backend, model, tokenizer, numerics(device, autocast=False))  # the dtype loaded
 
+    def shown(i: int, label: str, texts: list[str], scores: list) -> list[dict]:
+        """What samples.jsonl says of completions of problem i: enough to see why a score is what it is."""
+        problem = problems[i]
+        prompt = prompt_text(tokenizer, problem.prompt, style)
+        return [completion_row(problem, prompt, label if label == "greedy" else j, text, score)
+                for j, (text, score) in enumerate(zip(texts, scores, strict=True))]  # fmt: skip
+
+    kept: dict[int, list[dict]] = {}
     greedy: dict[int, bool] = {}
     blocks = [range(f, min(f + batch_size, len(problems))) for f in range(0, len(problems), batch_size)]
     for block in blocks[rank::world]:
+        texts: list[list[str]] = []
         scores = sampled_scores(
             sampler,
             tokenizer,
@@ -274,14 +322,18 @@ def evaluate_model(
             greedy=True,
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
+            texts=texts,
         )
         greedy.update((i, row[0].reward >= 1) for i, row in zip(block, scores, strict=True))
+        for i, row, text in zip(block, scores, texts, strict=True):
+            kept[i] = shown(i, "greedy", text, row)
 
     sampled: dict[int, tuple[list[float], list[str | None]]] = {}
     mine = sample_chunks(len(problems), n, batch_size)[rank::world]
     total = sum(len(chunk) for chunk in mine)
     for chunk in mine:
         generator = torch.Generator(device).manual_seed(eval_chunk_seed(seed, chunk.start))
+        texts = []
         scores = sampled_scores(
             sampler,
             tokenizer,
@@ -290,19 +342,26 @@ def evaluate_model(
             prompt_ids[chunk.start : chunk.stop],
             samples=n,
             temperature=temperature,
+            top_p=top_p,
             max_new_tokens=max_new_tokens,
             generator=generator,
             batch_size=batch_size,
+            texts=texts,
         )
         sampled.update(
             (i, ([s.reward for s in row], [s.parsed for s in row])) for i, row in zip(chunk, scores, strict=True)
         )
+        for i, row, text in zip(chunk, scores, texts, strict=True):
+            kept[i] = kept.get(i, []) + shown(i, "sample", text[:keep], row[:keep])
         if on_progress is not None:
             on_progress(len(sampled), total)
 
-    for other_greedy, other_sampled in distributed.all_gather_objects((greedy, sampled)):
-        greedy.update(other_greedy)
-        sampled.update(other_sampled)
+    shown_rows: dict[int, list[dict]] = {}
+    for rank_greedy, rank_sampled, rank_kept in distributed.all_gather_objects((greedy, sampled, kept)):
+        greedy.update(rank_greedy)
+        sampled.update(rank_sampled)
+        for i, rows in rank_kept.items():  # a problem's greedy and sampled rows may come from two ranks
+            shown_rows.setdefault(i, []).extend(rows)
     order = range(len(problems))
     return EvalResult(
         problem_ids=[p.id for p in problems],
@@ -313,4 +372,17 @@ def evaluate_model(
         temperature=temperature,
         seed=seed,
         seconds=time.perf_counter() - started,
+        completions=[
+            row for i in order for row in sorted(shown_rows.get(i, []), key=lambda r: r["sample"] != "greedy")
+        ],
     )
+
+
+def _greedy_first(row: dict) -> bool:
+    return row["sample"] != "greedy"
+
+
+def completion_row(problem, prompt: str, sample: int | str, text: str, score) -> dict:
+    """One line of samples.jsonl: the problem, the prompt the model read, its completion and how it scored."""
+    return {"problem": problem.id, "sample": sample, "prompt": prompt, "completion": text,
+            "answer": score.parsed, "gold": problem.answer, "reward": score.reward}  # fmt: skip

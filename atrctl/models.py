@@ -190,16 +190,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return numerics(device).dtype if name == "auto" else getattr(torch, name)
 
 
-def format_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> str:
-    """The prompt as the model should see it: wrapped as a user turn when a chat template is asked for."""
-    if not chat_template:
-        return text
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError("chat template requested but the tokenizer has none: turn chat_template off")
-    messages = [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters: tied input and output embeddings count once."""
     return sum(p.numel() for p in model.parameters())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -116,6 +116,7 @@ class EvalResult:
     temperature: float
     seed: int
     seconds: float
+    completions: list[dict] = field(default_factory=list)  # the texts kept for samples.jsonl (evaluation.py)
 
     @property
     def correct(self) -> np.ndarray:

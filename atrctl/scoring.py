@@ -1,8 +1,8 @@
 """Sample completions for problems and score them with the task's verifier.
 
 Shared by warm-up, training-time held-out checks and `atrctl eval`: prompts are encoded one way
-everywhere (chat template when asked, the tokenizer's own special tokens otherwise), and
-sampling runs through a rollout backend in large batches of whole problems.
+everywhere (`atrctl.prompts`), and sampling runs through a rollout backend in large batches of whole
+problems.
 """
 
 from __future__ import annotations
@@ -11,15 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from atrctl.models import format_prompt
 from atrctl.rollout import RolloutBackend, decode_completions
 from atrctl.tasks import Problem, Score, Task
-
-
-def encode_prompts(tokenizer, problems: Sequence[Problem], chat_template: bool = False) -> list[list[int]]:
-    """Token ids of each problem's prompt; a chat template already carries its special tokens."""
-    texts = [format_prompt(tokenizer, p.prompt, chat_template) for p in problems]
-    return [tokenizer(text, add_special_tokens=not chat_template)["input_ids"] for text in texts]
 
 
 def sampled_scores(
@@ -36,8 +29,10 @@ def sampled_scores(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     batch_size: int = 1024,
+    texts: list[list[str]] | None = None,
 ) -> list[list[Score]]:
-    """`samples` scored completions per problem ([problems][samples]), sampled in batches of whole problems."""
+    """`samples` scored completions per problem ([problems][samples]), sampled in batches of whole problems;
+    each problem's completion texts are appended to `texts` when a list is given."""
     per_batch = max(1, batch_size // samples)
     scores: list[list[Score]] = []
     for start in range(0, len(problems), per_batch):
@@ -51,9 +46,12 @@ def sampled_scores(
             greedy=greedy,
             generator=generator,
         )
-        texts = decode_completions(tokenizer, rollout)
+        decoded = decode_completions(tokenizer, rollout)
         for i, problem in enumerate(chunk):
-            scores.append([task.score(problem, text) for text in texts[i * samples : (i + 1) * samples]])
+            mine = decoded[i * samples : (i + 1) * samples]
+            scores.append([task.score(problem, text) for text in mine])
+            if texts is not None:
+                texts.append(mine)
     return scores
 
 

@@ -41,10 +41,11 @@ from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, metric_reduction, policy_loss
 from atrctl.models import Numerics
+from atrctl.prompts import encode_prompts, prompt_style
 from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
 from atrctl.rundir import RunDir, environment, exclusive
-from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
+from atrctl.scoring import mean_reward, sampled_scores
 from atrctl.tasks import Problem, get_task, problem_pool
 
 PROMPT_POOL = 20_000  # distinct train prompts cycled through in a seeded order
@@ -566,7 +567,7 @@ def build_run(
         reference.requires_grad_(False)
     pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
     held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
-    chat = recipe.task.chat_template
+    style = prompt_style(task, recipe.task.chat_template, recipe.task.system_prompt, recipe.task.instruction)
     # The fused kernel (CPU and CUDA) updates every tensor in one pass: ~6x faster than the per-tensor loop.
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay, fused=True
@@ -581,9 +582,9 @@ def build_run(
         compute,
         task,
         pool,
-        encode_prompts(tokenizer, pool, chat),
+        encode_prompts(tokenizer, pool, style),
         held_out,
-        encode_prompts(tokenizer, held_out, chat),
+        encode_prompts(tokenizer, held_out, style),
         optimizer,
         reference,
         Snapshot(model, optimizer) if recipe.run.rollback else None,

@@ -16,8 +16,9 @@ import torch
 
 from atrctl.config import WarmupConfig
 from atrctl.models import numerics
+from atrctl.prompts import PLAIN, PromptStyle, encode_prompts, prompt_text
 from atrctl.sampling import HFSampler
-from atrctl.scoring import encode_prompts, mean_reward, sampled_scores
+from atrctl.scoring import mean_reward, sampled_scores
 from atrctl.tasks import Problem, Task, problem_pool
 
 TRAIN_POOL = 20_000  # distinct train problems cycled through; more than any warm-up needs to see
@@ -31,11 +32,13 @@ class WarmupResult:
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out greedy accuracy)
 
 
-def encode_examples(tokenizer, problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_examples(
+    tokenizer, problems: Sequence[Problem], style: PromptStyle = PLAIN
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, attention mask, loss mask) right-padded: prompt + solution + EOS, loss on solution and EOS only."""
     rows, answer_spans = [], []
     for problem in problems:
-        prompt = tokenizer.encode(problem.prompt, add_special_tokens=False)
+        prompt = tokenizer.encode(prompt_text(tokenizer, problem.prompt, style), add_special_tokens=False)
         answer = tokenizer.encode(problem.solution, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         answer_spans.append((len(prompt), len(prompt) + len(answer)))
@@ -59,10 +62,15 @@ def answer_loss(model, ids: torch.Tensor, attention: torch.Tensor, on_answer: to
 
 
 def greedy_accuracy(
-    sampler: HFSampler, tokenizer, task: Task, problems: Sequence[Problem], max_new_tokens: int
+    sampler: HFSampler,
+    tokenizer,
+    task: Task,
+    problems: Sequence[Problem],
+    max_new_tokens: int,
+    style: PromptStyle = PLAIN,
 ) -> float:
     """Fraction of problems whose greedy completion earns reward 1."""
-    prompt_ids = encode_prompts(tokenizer, problems)
+    prompt_ids = encode_prompts(tokenizer, problems, style)
     return mean_reward(
         sampled_scores(
             sampler, tokenizer, task, problems, prompt_ids, samples=1, max_new_tokens=max_new_tokens, greedy=True
@@ -81,8 +89,10 @@ def warm_up(
     task: Task,
     config: WarmupConfig,
     on_progress: Callable[[int, float, float | None], None] | None = None,
+    style: PromptStyle = PLAIN,
 ) -> WarmupResult:
-    """Train until held-out greedy accuracy reaches config.target_accuracy or config.max_steps pass.
+    """Train until held-out greedy accuracy reaches config.target_accuracy or config.max_steps pass, on the
+    prompts as RL will show them (`style`: the instruction; presets have no chat template).
 
     on_progress(step, loss, accuracy or None) is called after every step, for a progress display.
     """
@@ -103,7 +113,7 @@ def warm_up(
         if len(queue) < config.batch_size:  # a fresh seeded permutation per epoch
             queue = torch.cat([queue, torch.randperm(len(train), generator=order)])
         batch, queue = queue[: config.batch_size], queue[config.batch_size :]
-        ids, attention, on_answer = (t.to(device) for t in encode_examples(tokenizer, [train[i] for i in batch]))
+        ids, attention, on_answer = (t.to(device) for t in encode_examples(tokenizer, [train[i] for i in batch], style))
         with compute.autocast():
             loss = answer_loss(model, ids, attention, on_answer)
         optimizer.zero_grad(set_to_none=True)
@@ -113,7 +123,7 @@ def warm_up(
         step += 1
         measured = None
         if step % config.eval_every == 0 or step == config.max_steps:
-            accuracy = measured = greedy_accuracy(sampler, tokenizer, task, held_out, budget)
+            accuracy = measured = greedy_accuracy(sampler, tokenizer, task, held_out, budget, style)
             history.append((step, accuracy))
         if on_progress is not None:
             on_progress(step, loss.item(), measured)

@@ -72,8 +72,30 @@ def test_eval_of_a_model_directory_needs_a_task(run_dir, tmp_path):
         *FAST,
     ]
     assert main(args) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["passk.csv", "passk.md", "passk.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["passk.csv", "passk.md", "passk.png", "samples.jsonl"]
     assert "seed: 3" in (out / "passk.md").read_text()
+
+
+def test_samples_jsonl_shows_each_problems_greedy_and_first_samples_as_scored(run_dir, tmp_path):
+    import json
+
+    from atrctl.tasks import get_task
+
+    out = tmp_path / "shown"
+    base = ["eval", str(run_dir), "--out", str(out), *FAST]
+    assert main([*base, "--completions", "2"]) == 0
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 * 3 and [r["sample"] for r in rows[:3]] == ["greedy", 0, 1]
+    task = get_task("arith", digits=1)
+    problems = {p.id: p for p in task.problems("test", None, 0)}
+    for row in rows:  # each row's verdict is the task's verdict on the completion it shows
+        assert row["reward"] == task.score(problems[row["problem"]], row["completion"]).reward
+        assert row["prompt"] == problems[row["problem"]].prompt and row["gold"] == problems[row["problem"]].answer
+    csv = pd.read_csv(out / "passk.csv")
+    assert main([*base, "--completions", "all", "--overwrite"]) == 0  # every sample: 1 + 8 per problem
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 5 * 9
+    assert pd.read_csv(out / "passk.csv").equals(csv)  # keeping texts changes no figure
+    assert main([*base, "--completions", "some", "--overwrite"]) == 2
 
 
 @pytest.mark.parametrize(

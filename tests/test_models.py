@@ -8,7 +8,6 @@ from atrctl.models import (
     build_char_tokenizer,
     build_model,
     count_parameters,
-    format_prompt,
     load_model,
     resolve_device,
     resolve_dtype,
@@ -140,18 +139,6 @@ def test_resolve_device_and_dtype():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="CUDA is not available"):
             resolve_device("cuda")
-
-
-def test_format_prompt(tokenizer):
-    assert format_prompt(tokenizer, "1+1=", chat_template=False) == "1+1="
-    with pytest.raises(UserError, match="no"):
-        format_prompt(tokenizer, "1+1=", chat_template=True)
-    chat = build_char_tokenizer()
-    chat.chat_template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}"
-    )
-    assert format_prompt(chat, "1+1=", chat_template=True) == "user: 1+1=\nassistant: "
 
 
 def test_set_cpu_threads(monkeypatch):
