@@ -52,6 +52,7 @@ class RunDir:
         self.eval = self.path / "eval"
         self.summary = self.path / "summary.json"
         self.tensorboard = self.path / "tensorboard"
+        self.samples = self.path / "samples"
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
@@ -184,6 +185,13 @@ class RunDir:
 
     def write_summary(self, summary: dict) -> None:
         atomic.write_text(self.summary, json.dumps(summary, indent=2) + "\n")
+
+    def write_samples(self, step: int, rows: list[dict]) -> Path:
+        """samples/step-<step>.jsonl: completions of a held-out check, to read what the policy writes."""
+        self.samples.mkdir(exist_ok=True)
+        path = self.samples / f"step-{step}.jsonl"
+        atomic.write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        return path
 
     def finish(self, model, tokenizer, summary: dict) -> None:
         """The final model in Hugging Face format and the final summary: the model is staged, the summary

@@ -41,7 +41,7 @@ from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, metric_reduction, policy_loss
 from atrctl.models import Numerics
-from atrctl.prompts import encode_prompts, prompt_style
+from atrctl.prompts import PLAIN, PromptStyle, encode_prompts, prompt_style
 from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
 from atrctl.rundir import RunDir, environment, exclusive
@@ -157,6 +157,13 @@ def _run_steps(
             capture_rng(state)
             save_checkpoint(run_dir.checkpoint, run.model, run.optimizer, state)
 
+    def show(step: int, rows: list[dict]) -> None:
+        run_dir.write_samples(step, rows)
+        if writer is not None:
+            table = "\n".join(f"- **{r['problem']}** ({r['sample']}, reward {r['reward']:g}): `{r['completion']!r}`"
+                              for r in rows)  # fmt: skip
+            writer.add_text("samples", table, step)
+
     def log(record: dict) -> None:
         run_dir.append_metrics(record)
         if writer is not None:
@@ -170,8 +177,10 @@ def _run_steps(
     if main:
         base_eval = run_dir.read_summary().get("base") if resume else None
         if base_eval is None:
-            base_eval = held_out_metrics(run)
+            shown: list[dict] = []
+            base_eval = held_out_metrics(run, shown)
             run_dir.write_summary({"base": base_eval})
+            show(0, shown)
     started = time.perf_counter()
     with _StopRequest() as stop:
         while state.step < recipe.run.steps:
@@ -187,9 +196,12 @@ def _run_steps(
                 _count_bad_step(state)
             if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
                 try:
-                    record.update(_held_out_or_undo(run, state) or {})
+                    figures, rows = _held_out_or_undo(run, state)
                 except PolicyDiverged:
                     raise TrainingStopped(_divergence_message(run, state.step)) from None
+                record.update(figures or {})
+                if main and rows:
+                    show(state.step, rows)
             record["skipped_steps"] = state.skipped_steps
             if main:
                 log(record)
@@ -235,23 +247,24 @@ def _verified(state: TrainState) -> None:
         state.unverified_update, state.bad_steps = False, 0
 
 
-def _held_out_or_undo(run: Run, state: TrainState) -> dict[str, float] | None:
-    """Rank 0's held-out figures after the step's update (None on the other ranks).  An update whose policy
-    cannot be sampled is undone on every rank and the figures are taken again, on the weights restored;
-    none at all if that undo was the last bad step allowed (the loop then stops)."""
+def _held_out_or_undo(run: Run, state: TrainState) -> tuple[dict[str, float] | None, list[dict]]:
+    """Rank 0's held-out figures after the step's update and the completions shown (None and [] on the other
+    ranks).  An update whose policy cannot be sampled is undone on every rank and the figures are taken
+    again, on the weights restored; none at all if that undo was the last bad step allowed (the loop then
+    stops)."""
     while True:
-        figures, failed = None, False
+        figures, failed, shown = None, False, []
         if distributed.is_main():
             try:
-                figures = held_out_metrics(run)
+                figures = held_out_metrics(run, shown)
             except NonFiniteProbabilities:
                 failed = True
         if not _any_rank(failed, run.device):
             _verified(state)
-            return figures
+            return figures, shown
         _undo_last_update(run, state, state.step)
         if state.bad_steps >= run.recipe.run.max_bad_steps:
-            return None
+            return None, []
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -484,9 +497,18 @@ def _logprobs(model: torch.nn.Module, rollout: Rollout, where: list[slice], temp
     return torch.cat([completion_logprobs(model, rows(rollout, w), temperature) for w in where])
 
 
-def held_out_metrics(run: Run) -> dict[str, float]:
-    """Held-out greedy accuracy and sampled pass@1, on the same problems and sample seed every time."""
+SHOWN_PROBLEMS = 8  # held-out problems whose greedy and first sampled completions go to samples/step-<N>.jsonl
+
+
+def held_out_metrics(run: Run, shown: list[dict] | None = None) -> dict[str, float]:
+    """Held-out greedy accuracy and sampled pass@1, on the same problems and sample seed every time; the
+    greedy and first sampled completions of the first SHOWN_PROBLEMS are appended to `shown` when given."""
+    from atrctl.evaluation import completion_row
+    from atrctl.prompts import prompt_text
+
     cfg = run.recipe.eval
+    greedy_texts: list[list[str]] = []
+    sampled_texts: list[list[str]] = []
     greedy = sampled_scores(
         run.sampler,
         run.tokenizer,
@@ -496,6 +518,7 @@ def held_out_metrics(run: Run) -> dict[str, float]:
         samples=1,
         max_new_tokens=run.recipe.rollout.max_new_tokens,
         greedy=True,
+        texts=greedy_texts,
     )
     generator = torch.Generator(run.device).manual_seed(cfg.seed)
     sampled = sampled_scores(
@@ -508,7 +531,13 @@ def held_out_metrics(run: Run) -> dict[str, float]:
         max_new_tokens=run.recipe.rollout.max_new_tokens,
         temperature=cfg.temperature,
         generator=generator,
+        texts=sampled_texts,
     )
+    if shown is not None:
+        for i, problem in enumerate(run.held_out[:SHOWN_PROBLEMS]):
+            prompt = prompt_text(run.tokenizer, problem.prompt, run.style)
+            shown.append(completion_row(problem, prompt, "greedy", greedy_texts[i][0], greedy[i][0]))
+            shown.append(completion_row(problem, prompt, 0, sampled_texts[i][0], sampled[i][0]))
     return {"eval/greedy": mean_reward(greedy), "eval/pass@1": mean_reward(sampled)}
 
 
@@ -533,6 +562,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     reference: torch.nn.Module | None = None
     snapshot: Snapshot | None = None  # the state before the latest update (`run.rollback`)
+    style: PromptStyle = PLAIN  # how the prompts were written (`atrctl.prompts`)
 
     @property
     def device(self) -> torch.device:
@@ -588,6 +618,7 @@ def build_run(
         optimizer,
         reference,
         Snapshot(model, optimizer) if recipe.run.rollback else None,
+        style,
     )
 
 

@@ -529,3 +529,15 @@ def test_missing_tensorboard_is_one_line_and_writes_nothing(results, capsys, mon
     assert cli(results, "--name", "no-tb", "--tensorboard") == 2
     assert "pip install tensorboard" in capsys.readouterr().err
     assert not (results / "no-tb").exists()
+
+
+def test_each_held_out_check_writes_the_completions_it_scored(results):
+    _, directory = start(results, "shown", "run.steps=2", "eval.every=1", "eval.problems=8")
+    assert sorted(p.name for p in (directory / "samples").iterdir()) == ["step-0.jsonl", "step-1.jsonl", "step-2.jsonl"]
+    rows = [json.loads(line) for line in (directory / "samples" / "step-2.jsonl").read_text().splitlines()]
+    task = train_module.get_task("arith", digits=1)
+    problems = {p.id: p for p in task.problems("test", None, 0)}
+    assert [r["sample"] for r in rows[:2]] == ["greedy", 0] and len(rows) == 2 * 8
+    assert all(r["reward"] == task.score(problems[r["problem"]], r["completion"]).reward for r in rows)
+    greedy = [r["reward"] for r in rows if r["sample"] == "greedy"]  # all 8 held-out problems are shown
+    assert records(directory)[-1]["eval/greedy"] == pytest.approx(sum(greedy) / len(greedy))
