@@ -136,8 +136,10 @@ def without_seconds(path):
 
 
 def assert_same_evaluation(ours, single):
-    assert sorted(p.name for p in ours.iterdir()) == ["passk.csv", "passk.md", "passk.png"]
+    assert sorted(p.name for p in ours.iterdir()) == ["passk.csv", "passk.md", "passk.png", "samples.jsonl"]
     assert (ours / "passk.csv").read_text() == (single / "passk.csv").read_text()
+    # the completions kept, gathered from every rank, in problem order with each problem's greedy first
+    assert (ours / "samples.jsonl").read_text() == (single / "samples.jsonl").read_text()
     assert without_seconds(ours / "passk.md") == without_seconds(single / "passk.md")  # avg@n, greedy too
 
 
