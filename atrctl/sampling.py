@@ -25,7 +25,7 @@ class HFSampler:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: Numerics):
         self.model, self.numerics = model, numerics
-        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.eos_id, self.pad_id = stop_tokens(model, tokenizer), tokenizer.pad_token_id
 
     @property
     def logprobs_match_training(self) -> bool:
@@ -64,6 +64,14 @@ class HFSampler:
                 )
         finally:
             self.model.train(was_training)
+
+
+def stop_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and each EOS id of the model's generation_config
+    (Qwen's lists both <|im_end|> and <|endoftext|>; stopping at only one lets a reply run on past its end)."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return list(dict.fromkeys(i for i in [tokenizer.eos_token_id, *listed] if i is not None))
 
 
 def _next_token(
@@ -164,12 +172,13 @@ def sample(
     temperature: float = 1.0,
     top_p: float = 1.0,
     greedy: bool = False,
-    eos_id: int,
+    eos_id: int | list[int],
     pad_id: int,
     generator: torch.Generator | None = None,
     repeats: int = 1,
 ) -> Rollout:
-    """Sample `repeats` completions per prompt (rows prompt-major), stopping once every row has emitted EOS.
+    """Sample `repeats` completions per prompt (rows prompt-major), stopping once every row has emitted EOS
+    (any of `eos_id`, when it is a list).
 
     A GRPO group shares its prompt, so the prompt's forward pass (the prefill) runs once per distinct
     prompt and its KV cache is copied to the group's rows.  Same `generator` state, same tokens.
@@ -183,6 +192,7 @@ def sample(
         raise UserError(f"top_p={top_p} must be in (0, 1]: use 1.0 to turn it off")
 
     device = model.device
+    stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=device)
     distinct, distinct_mask = left_pad(prompt_ids, pad_id, device)
     prompt, prompt_mask = (t.repeat_interleave(repeats, dim=0) for t in (distinct, distinct_mask))
     cache = preallocated_cache(model, capacity=prompt.shape[1] + max_new_tokens)
@@ -200,7 +210,7 @@ def sample(
             token, logp = _next_token(logits, temperature, top_p, greedy, generator)
             tokens.append(torch.where(done, pad_id, token))
             logprobs.append(logp.masked_fill(done, 0.0))
-            done = done | (token == eos_id)
+            done = done | torch.isin(token, stops)
             if produced == max_new_tokens or bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(done[:, None], dtype=mask.dtype)], dim=-1)
@@ -214,7 +224,7 @@ def sample(
             ).logits[:, -1]
 
     completion_ids = torch.stack(tokens, dim=1)
-    is_eos = (completion_ids == eos_id).long()
+    is_eos = torch.isin(completion_ids, stops).long()
     completion_mask = (is_eos.cumsum(-1) - is_eos == 0).long()  # up to and including the first EOS
     logprobs = torch.stack(logprobs, dim=1)
     return Rollout(prompt, prompt_mask, completion_ids, completion_mask, logprobs)

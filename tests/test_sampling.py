@@ -92,6 +92,25 @@ def test_mask_when_pad_is_eos(model, tokenizer, prompts):
         assert sum(mask) == length
 
 
+def test_every_eos_id_of_the_generation_config_ends_a_completion(model, tokenizer, prompts):
+    from atrctl.models import Numerics
+    from atrctl.sampling import HFSampler, stop_tokens
+
+    plain = sample(model, prompts, max_new_tokens=6, greedy=True, eos_id=tokenizer.eos_token_id,
+                   pad_id=tokenizer.pad_token_id)  # fmt: skip
+    first = plain.completion_ids[0, 0].item()  # the first greedy token of prompt 0
+    assert first != tokenizer.eos_token_id and plain.completion_mask[0].sum() > 1
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, first]  # as Qwen lists two
+    try:
+        assert stop_tokens(model, tokenizer) == [tokenizer.eos_token_id, first]
+        sampler = HFSampler(model, tokenizer, Numerics(torch.device("cpu"), torch.float32, None))
+        stopped = sampler.generate(prompts, max_new_tokens=6, greedy=True)
+    finally:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    assert stopped.completion_mask[0].tolist()[:2] == [1, 0]  # ended at once, the stop token counted
+    assert torch.equal(stopped.completion_ids[:, 0], plain.completion_ids[:, 0])  # the same greedy tokens
+
+
 def test_seeded_generator_makes_sampling_deterministic(model, tokenizer, prompts):
     first, second = run(model, tokenizer, prompts, seed=7), run(model, tokenizer, prompts, seed=7)
     other = run(model, tokenizer, prompts, seed=8)
