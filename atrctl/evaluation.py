@@ -41,6 +41,7 @@ class EvalTarget:
     backend: str = "hf"  # the rollout backend that samples (a run's rollout.backend)
     system_prompt: str = ""  # the [task] prompt keys (`atrctl.prompts`)
     instruction: str = "auto"
+    strict: bool = False  # a run's own final model: any missing or unexpected weight is an error
 
     def style(self, task: Task):
         """The prompt style for `task` (its "auto" instruction resolved)."""
@@ -89,6 +90,7 @@ def eval_target(
             recipe.rollout.backend,
             recipe.task.system_prompt,
             recipe.task.instruction,
+            strict=True,
         )
         return replace(spec, **overrides)
     if task is None:
@@ -131,7 +133,7 @@ def evaluate_target(
     the problems once, so that a comparison gives every arm the same ones)."""
     from atrctl.models import load_model
 
-    model, tokenizer = load_model(spec.model, device, spec.dtype)
+    model, tokenizer = load_model(spec.model, device, spec.dtype, strict=spec.strict)
     return evaluate_model(
         model,
         tokenizer,
@@ -288,7 +290,7 @@ def evaluate_model(
     import torch
 
     from atrctl.models import numerics
-    from atrctl.prompts import encode_prompts, prompt_text
+    from atrctl.prompts import check_lengths, encode_prompts, prompt_text
     from atrctl.rollout import rollout_backend
     from atrctl.scoring import sampled_scores
 
@@ -297,6 +299,7 @@ def evaluate_model(
     started = time.perf_counter()
     rank, world = distributed.shard()
     prompt_ids = encode_prompts(tokenizer, problems, style)
+    check_lengths(prompt_ids, max_new_tokens, model, "--max-new-tokens")
     device = next(model.parameters()).device
     sampler = rollout_backend(backend, model, tokenizer, numerics(device, autocast=False))  # the dtype loaded
 

@@ -7,6 +7,7 @@ transformers is imported inside the functions: importing this module must stay c
 
 from __future__ import annotations
 
+import logging
 import os
 import string
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ PRESETS = {"tiny": (64, 2, 4, 0.1), "small": (128, 2, 4, 0.02), "medium": (256, 
 ARCHS = ("llama", "qwen2")
 DEVICES = ("auto", "cpu", "cuda")  # "auto" picks CUDA when present
 MAX_POSITIONS = 512
+
+log = logging.getLogger(__name__)
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -83,10 +86,19 @@ def build_model(preset: str, tokenizer: PreTrainedTokenizerBase, arch: str = "ll
 
 
 def load_model(
-    name_or_path: str, device: str = "auto", dtype: str = "auto", *, arch: str = "llama", seed: int = 0
+    name_or_path: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    *,
+    arch: str = "llama",
+    seed: int = 0,
+    strict: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A model and tokenizer in eval mode on `device`: a model directory, a hub name, or a preset name
     (fresh weights of `arch` from `seed`, with the character tokenizer).
+
+    Weights the checkpoint lacks (which transformers initialises at random) or has in excess are reported:
+    a UserError when `strict` (a run's own final model must be whole), else a warning naming them.
 
     The tokenizer always has a pad token (its EOS when it has none) and pads on the left, the side
     generation needs; atrctl's sampler pads prompts itself, so this only matters to other callers.
@@ -103,19 +115,34 @@ def load_model(
         source = _local_or_hub(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+            model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, output_loading_info=True)
         except (OSError, ValueError, SafetensorError) as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise UserError(
                 f"model '{name_or_path}' could not be loaded ({reason}): give a preset "
                 f"({', '.join(PRESETS)}), a local model directory or a hub name"
             ) from None
+        _report_loading(name_or_path, loading, strict)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"tokenizer of '{name_or_path}' has neither a pad nor an EOS token: add one to it")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device=torch_device, dtype=torch_dtype).eval(), tokenizer
+
+
+def _report_loading(name: str, loading: dict, strict: bool) -> None:
+    problems = []
+    for what in ("missing", "unexpected", "mismatched"):
+        names = sorted(str(name) for name in loading.get(f"{what}_keys") or ())
+        if names:
+            problems.append(f"{what} {', '.join(names[:4])}{' …' if len(names) > 4 else ''}")
+    if not problems:
+        return
+    message = f"model '{name}' does not match its architecture: {'; '.join(problems)}"
+    if strict:
+        raise UserError(f"{message}; the model directory is damaged: train (or resume) the run again")
+    log.warning("warning: %s (missing weights were initialised at random)", message)
 
 
 def _local_or_hub(name: str) -> str:

@@ -64,3 +64,15 @@ def encode_prompts(tokenizer, problems: Sequence, style: PromptStyle = PLAIN) ->
     """Token ids of each problem's prompt; a chat template already carries its special tokens."""
     texts = [prompt_text(tokenizer, p.prompt, style) for p in problems]
     return [tokenizer(text, add_special_tokens=not style.chat_template)["input_ids"] for text in texts]
+
+
+def check_lengths(prompt_ids: Sequence[list[int]], max_new_tokens: int, model, flag: str) -> None:
+    """Refuse, before any sampling, prompts that with `max_new_tokens` would run past the model's positions
+    (some architectures index out of range there, others silently degrade)."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    longest = max((len(ids) for ids in prompt_ids), default=0)
+    if positions is not None and longest + max_new_tokens > positions:
+        raise UserError(
+            f"the longest prompt ({longest} tokens) plus {flag} ({max_new_tokens}) exceeds the model's {positions} "
+            f"positions: lower {flag} or use shorter problems"
+        )

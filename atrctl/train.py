@@ -41,7 +41,7 @@ from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, metric_reduction, policy_loss
 from atrctl.models import Numerics
-from atrctl.prompts import PLAIN, PromptStyle, encode_prompts, prompt_style
+from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, prompt_style
 from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
 from atrctl.rundir import RunDir, environment, exclusive
@@ -598,6 +598,8 @@ def build_run(
     pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
     held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
     style = prompt_style(task, recipe.task.chat_template, recipe.task.system_prompt, recipe.task.instruction)
+    pool_ids, held_out_ids = encode_prompts(tokenizer, pool, style), encode_prompts(tokenizer, held_out, style)
+    check_lengths(pool_ids + held_out_ids, recipe.rollout.max_new_tokens, model, "rollout.max_new_tokens")
     # The fused kernel (CPU and CUDA) updates every tensor in one pass: ~6x faster than the per-tensor loop.
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay, fused=True
@@ -612,9 +614,9 @@ def build_run(
         compute,
         task,
         pool,
-        encode_prompts(tokenizer, pool, style),
+        pool_ids,
         held_out,
-        encode_prompts(tokenizer, held_out, style),
+        held_out_ids,
         optimizer,
         reference,
         Snapshot(model, optimizer) if recipe.run.rollback else None,

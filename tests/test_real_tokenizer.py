@@ -1,0 +1,134 @@
+"""The real-model path on a real tokenizer: SmolLM2's 49k BPE with its ChatML template (tests/data/smollm2-tokenizer),
+paired with a small random Llama, so chat templates, BPE boundaries, several EOS ids, left padding, the
+prompt-length check and loud loading are tested without the hub."""
+
+import gzip
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from atrctl.cli import main
+from atrctl.errors import UserError
+from atrctl.forward import completion_logprobs
+from atrctl.models import Numerics, load_model
+from atrctl.prompts import PromptStyle, encode_prompts, prompt_style
+from atrctl.rollout import decode_completions
+from atrctl.sampling import HFSampler, stop_tokens
+from atrctl.tasks import get_task
+
+TOKENIZER = Path(__file__).parent / "data" / "smollm2-tokenizer"
+POSITIONS = 96
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A model directory in the format a real instruct model has: its tokenizer files, a Llama config and a
+    generation_config listing two EOS ids (as Qwen's does)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("smollm2-shaped")
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TOKENIZER / name, directory / name)
+    (directory / "tokenizer.json").write_bytes(gzip.decompress((TOKENIZER / "tokenizer.json.gz").read_bytes()))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=POSITIONS,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = [2, 0]  # <|im_end|> and <|endoftext|>
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_the_chat_template_renders_with_its_default_or_our_system_prompt(model_dir):
+    model, tokenizer = load_model(str(model_dir), "cpu", "float32")
+    assert len(tokenizer) == 49152 and tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+    task = get_task("arith", digits=2, format="instruct")
+    problem = task.problems("test", 1, 0)[0]
+    (default,) = encode_prompts(tokenizer, [problem], prompt_style(task, True))
+    text = tokenizer.decode(default)
+    assert text.startswith(f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\n{problem.prompt}\n")
+    assert text.endswith(f"{task.instruction}<|im_end|>\n<|im_start|>assistant\n")
+    (own,) = encode_prompts(tokenizer, [problem], prompt_style(task, True, system_prompt="Be brief."))
+    assert tokenizer.decode(own).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    assert DEFAULT_SYSTEM not in tokenizer.decode(own)
+
+
+@pytest.mark.parametrize("task", ["arith", "countdown"])
+def test_instruct_prompts_survive_bpe_encoding(model_dir, task):
+    _, tokenizer = load_model(str(model_dir), "cpu", "float32")
+    chosen = get_task(task, format="instruct")
+    problems = chosen.problems("test", 20, 0)
+    for ids, problem in zip(encode_prompts(tokenizer, problems, prompt_style(chosen, False)), problems, strict=True):
+        assert tokenizer.decode(ids) == f"{problem.prompt}\n{chosen.instruction}"  # no token boundary lost
+        assert len(ids) < len(problem.prompt) + len(chosen.instruction)  # BPE: far fewer tokens than characters
+
+
+def test_both_eos_ids_stop_and_decoding_drops_them(model_dir):
+    model, tokenizer = load_model(str(model_dir), "cpu", "float32")
+    assert stop_tokens(model, tokenizer) == [2, 0]
+    sampler = HFSampler(model, tokenizer, Numerics(torch.device("cpu"), torch.float32, None))
+    prompts = encode_prompts(tokenizer, get_task("arith", format="instruct").problems("test", 4, 0))
+
+    def favour_endoftext(module, inputs, logits):  # make <|endoftext|> (id 0, the second EOS) likely
+        logits[..., 0] += 10.0
+        return logits
+
+    hook = model.lm_head.register_forward_hook(favour_endoftext)
+    try:
+        rollout = sampler.generate(prompts, repeats=4, max_new_tokens=24, generator=torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    ended = 0
+    for ids, mask in zip(rollout.completion_ids.tolist(), rollout.completion_mask.tolist(), strict=True):
+        ends = [i for i, token in enumerate(ids) if token in (0, 2)]
+        assert sum(mask) == (ends[0] + 1 if ends else len(ids))  # the first of either EOS ends it
+        ended += bool(ends) and ids[ends[0]] == 0
+    assert ended >= 4  # rows did end at the second EOS id
+    assert not any("<|im_end|>" in text or "<|endoftext|>" in text for text in decode_completions(tokenizer, rollout))
+
+
+def test_left_padded_prompts_sample_the_logprobs_of_a_full_forward_pass(model_dir):
+    model, tokenizer = load_model(str(model_dir), "cpu", "float32")
+    sampler = HFSampler(model, tokenizer, Numerics(torch.device("cpu"), torch.float32, None))
+    task = get_task("countdown", format="instruct")
+    style = PromptStyle(chat_template=True, instruction=task.instruction)
+    prompts = encode_prompts(tokenizer, task.problems("test", 3, 0) + get_task("arith").problems("test", 2, 0), style)
+    assert len({len(p) for p in prompts}) > 1  # different lengths: left padding is exercised
+    rollout = sampler.generate(prompts, repeats=2, max_new_tokens=12, generator=torch.Generator().manual_seed(1))
+    full = completion_logprobs(model, rollout, 1.0)
+    mask = rollout.completion_mask.bool()
+    assert (full - rollout.logprobs)[mask].abs().max().item() < 1e-4
+
+
+def test_a_prompt_too_long_for_the_models_positions_is_refused_before_any_work(model_dir, tmp_path, capsys):
+    out = tmp_path / "eval"
+    argv = ["eval", str(model_dir), "--task", "arith", "--task-arg", "format=instruct", "--chat-template",
+            "--n", "2", "--problems", "3", "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert main([*argv, "--max-new-tokens", str(POSITIONS)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"exceeds the model's {POSITIONS} positions" in err and "\n" not in err and not out.exists(), err
+    assert main([*argv, "--max-new-tokens", "8"]) == 0  # what fits runs, through the chat template
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert rows and all(r["prompt"].startswith("<|im_start|>system\n") for r in rows)
+
+
+def test_missing_or_unexpected_weights_are_reported(model_dir, tmp_path, caplog):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(model_dir, damaged)
+    weights = load_file(damaged / "model.safetensors")
+    weights.pop("model.norm.weight")
+    save_file(weights, damaged / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"missing model\.norm\.weight.*damaged"):
+        load_model(str(damaged), "cpu", "float32", strict=True)  # a run's own final model
+    with caplog.at_level(logging.WARNING, logger="atrctl.models"):
+        load_model(str(damaged), "cpu", "float32")  # a base model: used, but not silently
+    assert "missing model.norm.weight" in caplog.text and "initialised at random" in caplog.text
