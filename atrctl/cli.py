@@ -330,7 +330,9 @@ def eval_command(
     max_new_tokens: Annotated[
         int | None, typer.Option(help=r"Longest completion \[default: the run's rollout.max_new_tokens].")
     ] = None,
-    batch_size: Annotated[int, typer.Option(help="Completions per sampling batch.")] = 1024,
+    batch_size: Annotated[
+        int, typer.Option(help="Completions per sampling batch; 0 sizes it from the model's KV cache (≤ 1024).")
+    ] = 0,
     out: Annotated[
         Path | None, typer.Option(help=r"Output folder \[default: <run>/eval, results/eval-<model>].")
     ] = None,
@@ -367,11 +369,12 @@ def eval_command(
         (n, "--n", 256),
         (problems, "--problems", 200),
         (max_new_tokens, "--max-new-tokens", 0),
-        (batch_size, "--batch-size", 0),
     ):
         if value is not None and value < 1:
             hint = f"; e.g. {flag} {example}" if example else ""
             raise UserError(f"{flag} must be at least 1 (got {value}){hint}")
+    if batch_size < 0:
+        raise UserError(f"--batch-size must be at least 0 (got {batch_size}); 0 sizes it from the model")
     _check_nproc(nproc)
     _positive(temperature, "--temperature")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):

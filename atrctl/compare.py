@@ -293,6 +293,7 @@ def evaluate_arms(
                     temperature=recipe.eval.temperature,
                     seed=recipe.eval.seed,
                     device=recipe.model.device,
+                    batch_size=recipe.eval.batch,
                     on_progress=None
                     if on_progress is None
                     else (lambda done, total, name=directory.name: on_progress(name, done, total)),

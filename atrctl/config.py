@@ -168,6 +168,9 @@ class EvalConfig:
     """Temperature of the pass@1 samples."""
     seed: int = 1234
     """Seed of the held-out problems and their samples: shared by runs so they are comparable."""
+    batch: int = 0
+    """Completions sampled at once in held-out checks and compare's evaluation; 0 sizes it from the model:
+    as many as a quarter of the free memory holds in KV cache (models.sized_batch), at most 1024."""
 
 
 @dataclass
@@ -252,6 +255,7 @@ _NON_NEGATIVE = {
     ("optim", "weight_decay"),
     ("optim", "warmup_steps"),
     ("algo", "micro_batch"),
+    ("eval", "batch"),
     ("rollout", "sample_batch"),
 }
 _FRACTIONS = {("warmup", "target_accuracy"), ("rollout", "top_p")}

@@ -125,7 +125,7 @@ def evaluate_target(
     seed: int,
     device: str,
     top_p: float = 1.0,
-    batch_size: int = 1024,
+    batch_size: int = 0,
     keep: int | None = DEFAULT_KEEP,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
@@ -271,7 +271,7 @@ def evaluate_model(
     max_new_tokens: int,
     style: PromptStyle = PLAIN,
     top_p: float = 1.0,
-    batch_size: int = 1024,
+    batch_size: int = 0,
     backend: str = "hf",
     keep: int | None = DEFAULT_KEEP,
     on_progress: Callable[[int, int], None] | None = None,
@@ -279,7 +279,8 @@ def evaluate_model(
     """A greedy completion and n samples for each problem, scored by the task; the greedy completion and the
     first `keep` samples of every problem (None: all) are kept as text in `result.completions`.
 
-    Problems are sampled in chunks of max(1, batch_size // n) whole problems (at most about
+    `batch_size` 0 is sized from the model (`models.sized_batch`: a fixed KV-cache budget at the longest
+    prompt + max_new_tokens).  Problems are sampled in chunks of max(1, batch_size // n) whole problems (at most about
     `batch_size` completions, cut at multiples of the chunk size), each chunk from its own generator
     seeded by (seed, index of its first problem) on the model's device.  Greedy completions go in
     blocks of `batch_size` problems.  Under a joined process group (torchrun) rank r takes chunks and
@@ -289,7 +290,7 @@ def evaluate_model(
     """
     import torch
 
-    from atrctl.models import numerics
+    from atrctl.models import numerics, sized_batch
     from atrctl.prompts import check_lengths, encode_prompts, prompt_text
     from atrctl.rollout import rollout_backend
     from atrctl.scoring import sampled_scores
@@ -300,6 +301,7 @@ def evaluate_model(
     rank, world = distributed.shard()
     prompt_ids = encode_prompts(tokenizer, problems, style)
     check_lengths(prompt_ids, max_new_tokens, model, "--max-new-tokens")
+    batch_size = sized_batch(model, max((len(ids) for ids in prompt_ids), default=0) + max_new_tokens, batch_size)
     device = next(model.parameters()).device
     sampler = rollout_backend(backend, model, tokenizer, numerics(device, autocast=False))  # the dtype loaded
 

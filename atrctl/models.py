@@ -217,6 +217,31 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return numerics(device).dtype if name == "auto" else getattr(torch, name)
 
 
+MAX_SAMPLE_BATCH = 1024
+KV_BUDGET = 2 * 2**30  # bytes of KV cache a default-sized sampling batch may take
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of KV cache one token of one sequence takes: keys and values of every layer's KV heads."""
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize
+
+
+def sized_batch(model: torch.nn.Module, tokens_per_row: int, requested: int = 0) -> int:
+    """Rows to sample at once: `requested` if > 0, else as many as KV_BUDGET holds in KV cache at
+    `tokens_per_row` (prompt + new tokens), between 1 and MAX_SAMPLE_BATCH.  1024 rows of a 135M Llama at 300
+    tokens in float32 would need ~14 GB; the tiny presets fit 1024 in a few MB.  The budget is a constant, not
+    the memory free at the time: the batch decides how samples are seeded (evaluation.sample_chunks), so it
+    must depend on the model and the lengths alone for a result to be reproducible."""
+    if requested > 0:
+        return requested
+    rows = KV_BUDGET // max(1, kv_bytes_per_token(model) * tokens_per_row)
+    return int(min(MAX_SAMPLE_BATCH, max(1, rows)))
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters: tied input and output embeddings count once."""
     return sum(p.numel() for p in model.parameters())

@@ -518,6 +518,7 @@ def held_out_metrics(run: Run, shown: list[dict] | None = None) -> dict[str, flo
         samples=1,
         max_new_tokens=run.recipe.rollout.max_new_tokens,
         greedy=True,
+        batch_size=run.eval_batch,
         texts=greedy_texts,
     )
     generator = torch.Generator(run.device).manual_seed(cfg.seed)
@@ -531,6 +532,7 @@ def held_out_metrics(run: Run, shown: list[dict] | None = None) -> dict[str, flo
         max_new_tokens=run.recipe.rollout.max_new_tokens,
         temperature=cfg.temperature,
         generator=generator,
+        batch_size=run.eval_batch,
         texts=sampled_texts,
     )
     if shown is not None:
@@ -563,6 +565,7 @@ class Run:
     reference: torch.nn.Module | None = None
     snapshot: Snapshot | None = None  # the state before the latest update (`run.rollback`)
     style: PromptStyle = PLAIN  # how the prompts were written (`atrctl.prompts`)
+    eval_batch: int = 1024  # completions sampled at once in held-out checks (eval.batch, or sized from the model)
 
     @property
     def device(self) -> torch.device:
@@ -576,7 +579,7 @@ def build_run(
     on_warmup: Callable[[int, float, float | None], None] | None = None,
 ) -> Run:
     from atrctl.base_cache import ensure_base
-    from atrctl.models import load_model, numerics, set_cpu_threads
+    from atrctl.models import load_model, numerics, set_cpu_threads, sized_batch
     from atrctl.rollout import rollout_backend
 
     validate_algo(recipe)
@@ -600,6 +603,8 @@ def build_run(
     style = prompt_style(task, recipe.task.chat_template, recipe.task.system_prompt, recipe.task.instruction)
     pool_ids, held_out_ids = encode_prompts(tokenizer, pool, style), encode_prompts(tokenizer, held_out, style)
     check_lengths(pool_ids + held_out_ids, recipe.rollout.max_new_tokens, model, "rollout.max_new_tokens")
+    longest = max(len(ids) for ids in held_out_ids) + recipe.rollout.max_new_tokens
+    eval_batch = sized_batch(model, longest, recipe.eval.batch)  # the held-out checks' KV cache is bounded
     # The fused kernel (CPU and CUDA) updates every tensor in one pass: ~6x faster than the per-tensor loop.
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay, fused=True
@@ -621,6 +626,7 @@ def build_run(
         reference,
         Snapshot(model, optimizer) if recipe.run.rollback else None,
         style,
+        eval_batch,
     )
 
 

@@ -163,3 +163,18 @@ def test_the_real_smollm2_imports_and_answers_five_fixed_prompts_stably(tmp_path
     replies = [decode_completions(tokenizer, sampler.generate(ids, max_new_tokens=48, greedy=True)) for _ in range(2)]
     assert replies[0] == replies[1]  # greedy decoding is deterministic
     assert [task.score(p, text).parsed for p, text in zip(problems, replies[0], strict=True)] == [g for _, g in GREEDY]
+
+
+def test_the_default_sampling_batch_is_sized_from_the_models_kv_cache():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from atrctl.models import MAX_SAMPLE_BATCH, build_char_tokenizer, build_model, kv_bytes_per_token, sized_batch
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M's shape  # fmt: skip
+    with torch.device("meta"):  # shapes only: no 135M parameters allocated
+        smollm2 = LlamaForCausalLM(config)
+    assert kv_bytes_per_token(smollm2) == 2 * 30 * 3 * 64 * 4  # keys and values, 30 layers, 3 KV heads, float32
+    assert sized_batch(smollm2, 316) == 2 * 2**30 // (46080 * 316) == 147  # not 1024 rows (~14 GB)
+    assert sized_batch(smollm2, 316, requested=16) == 16  # eval.batch / --batch-size win
+    assert sized_batch(build_model("tiny", build_char_tokenizer()), 16) == MAX_SAMPLE_BATCH  # the presets: as before
