@@ -178,3 +178,15 @@ def test_the_default_sampling_batch_is_sized_from_the_models_kv_cache():
     assert sized_batch(smollm2, 316) == 2 * 2**30 // (46080 * 316) == 147  # not 1024 rows (~14 GB)
     assert sized_batch(smollm2, 316, requested=16) == 16  # eval.batch / --batch-size win
     assert sized_batch(build_model("tiny", build_char_tokenizer()), 16) == MAX_SAMPLE_BATCH  # the presets: as before
+
+
+def test_one_step_of_the_smollm2_recipe_runs_on_its_stand_in(model_dir, tmp_path):
+    recipe = Path(__file__).parent.parent / "recipes" / "smollm2-arith-cpu.toml"
+    sets = [f"model.base={model_dir}", "rollout.prompts=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
+            "eval.problems=2", "eval.samples=1", "run.steps=1"]  # fmt: skip
+    args = ["train", "--recipe", str(recipe), "--name", "run", "--results", str(tmp_path)]
+    assert main([*args, *[item for s in sets for item in ("--set", s)]]) == 0
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert record["step"] == 1 and "eval/greedy" in record
+    shown = json.loads((tmp_path / "run" / "samples" / "step-1.jsonl").read_text().splitlines()[0])
+    assert shown["prompt"].startswith(f"<|im_start|>system\n{DEFAULT_SYSTEM}") and "What is " in shown["prompt"]
