@@ -120,6 +120,16 @@ def test_compare_overwrite_replaces_even_the_same_comparison_and_can_put_it_back
     assert tree(comparison.directory) == before and not aside(comparison.directory).exists()
 
 
+def damaged_unfinished_run(results, prefix, how):
+    """A two-step run with a checkpoint after each step, its final model moved to straight/ (so the run is
+    one to resume), and its newest checkpoint damaged `how`."""
+    run = results / f"{prefix}-{hashlib.sha256(how.encode()).hexdigest()[:8]}"
+    train(recipe("run.steps=2", "run.checkpoint_every=1"), run, results=results)
+    (run / "model").rename(run / "straight")
+    damage(run, how)
+    return run
+
+
 def damage(run, how, checkpoint_name="checkpoint"):
     checkpoint = run / checkpoint_name
     if how == "truncated weights":
@@ -156,10 +166,7 @@ def damage(run, how, checkpoint_name="checkpoint"):
     ],
 )
 def test_a_damaged_run_is_one_line_on_resume_and_stays_as_it_was(results, capsys, how, fragment):
-    run = results / f"damaged-{hashlib.sha256(how.encode()).hexdigest()[:8]}"
-    train(recipe("run.steps=2", "run.checkpoint_every=1"), run, results=results)
-    (run / "model").rename(run / "unfinished")  # a run stopped before the end, to be resumed
-    damage(run, how)
+    run = damaged_unfinished_run(results, "damaged", how)
     damage(run, how, "checkpoint.previous")  # no intact checkpoint to fall back on
     before = tree(results)
     capsys.readouterr()  # what training the run printed
@@ -176,10 +183,7 @@ def test_a_damaged_run_is_one_line_on_resume_and_stays_as_it_was(results, capsys
     ],
 )
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one_saying_so(results, capsys, how, fragment):
-    run = results / f"fallback-{hashlib.sha256(how.encode()).hexdigest()[:8]}"
-    train(recipe("run.steps=2", "run.checkpoint_every=1"), run, results=results)
-    (run / "model").rename(run / "straight")  # the final model of the uninterrupted run
-    damage(run, how)
+    run = damaged_unfinished_run(results, "fallback", how)  # its final model, as trained straight, is in straight/
     capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 0
     err = capsys.readouterr().err

@@ -11,12 +11,21 @@ from pathlib import Path
 from typing import Any
 
 from atrctl.errors import UserError
-from atrctl.tasks.problem import SPLITS, Problem
+from atrctl.tasks.problem import SPLITS, Problem, check_format
 from atrctl.tasks.split import split_of
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 log = logging.getLogger(__name__)
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # Qwen2.5-Math's
+
+
+def dataset_format(task: str, format: str) -> tuple[str, str]:
+    """(instruction, what follows the question) of a data set task's format: compact is the question and a
+    newline, for base models that continue in the data set's own style; instruct is the bare question with
+    the boxed-answer instruction."""
+    check_format(task, format)
+    return (BOXED_INSTRUCTION, "") if format == "instruct" else ("", "\n")
 
 
 def load_problems(

@@ -1,13 +1,12 @@
 """GSM8K: grade-school word problems whose answer is the number after "####" in the worked solution."""
 
 from atrctl.tasks.answer import Found, answer_number, find_answer, plain
-from atrctl.tasks.data import load_problems
+from atrctl.tasks.data import dataset_format, load_problems
 from atrctl.tasks.mathcheck import extract, matches
-from atrctl.tasks.problem import Problem, Score, check_format, check_request
+from atrctl.tasks.problem import Problem, Score, check_request
 from atrctl.tasks.split import stable_hash, take
 
 FIELDS = ("question", "answer")
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 MAX_ANSWER_CHARS = 200  # bounds the sympy work on a boxed answer that is not a plain number
 
 
@@ -30,10 +29,8 @@ class GSM8KTask:
         test_path: str | None = None,
         format: str = "compact",
     ):
-        check_format(self.name, format)
         self.format = format
-        self.instruction = INSTRUCTION if format == "instruct" else ""
-        suffix = "\n" if format == "compact" else ""
+        self.instruction, suffix = dataset_format(self.name, format)
         self._problems = load_problems(self.name, path, config, test_path, FIELDS, lambda row: _problem(row, suffix))
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:

@@ -1,14 +1,13 @@
 r"""MATH (Hendrycks et al.): competition problems whose answer is the last \boxed{...} of the solution."""
 
 from atrctl.tasks.answer import find_answer, last_boxed
-from atrctl.tasks.data import load_problems
+from atrctl.tasks.data import dataset_format, load_problems
 from atrctl.tasks.mathcheck import extract, matches
-from atrctl.tasks.problem import Problem, Score, check_format, check_request
+from atrctl.tasks.problem import Problem, Score, check_request
 from atrctl.tasks.split import stable_hash, take
 
 FIELDS = ("problem", "solution")
 MAX_ANSWER_CHARS = 1000  # bounds the sympy work per completion, which has no timeout off the main thread
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 class MathTask:
@@ -29,10 +28,8 @@ class MathTask:
         test_path: str | None = None,
         format: str = "compact",
     ):
-        check_format(self.name, format)
         self.format = format
-        self.instruction = INSTRUCTION if format == "instruct" else ""
-        suffix = "\n" if format == "compact" else ""
+        self.instruction, suffix = dataset_format(self.name, format)
         self._problems = load_problems(self.name, path, config, test_path, FIELDS, lambda row: _problem(row, suffix))
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
