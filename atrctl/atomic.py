@@ -8,6 +8,7 @@ the old file or the new one, never a truncated mix.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -36,3 +37,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 def write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def write_jsonl(path: str | os.PathLike, rows) -> None:
+    """One JSON object per line (non-ASCII text kept readable), written atomically."""
+    write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))

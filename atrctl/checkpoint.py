@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from atrctl import atomic
-from atrctl.errors import UserError
+from atrctl.errors import UserError, first_line
 
 
 @dataclass
@@ -142,9 +142,8 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
             saved = torch.load(directory / "optimizer.pt", map_location=device, weights_only=True)
         optimizer.load_state_dict(saved)
     except Exception as error:  # the unpickler meets garbage with any error (IndexError on a torn file, ...)
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"{directory / 'optimizer.pt'} is missing or damaged ({reason}); the run cannot resume "
-                        "from it") from None  # fmt: skip
+        raise UserError(f"{directory / 'optimizer.pt'} is missing or damaged ({first_line(error)}); the run "
+                        "cannot resume from it") from None  # fmt: skip
     return state
 
 

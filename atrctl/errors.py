@@ -10,3 +10,10 @@ class UserError(ValueError):
     raised it together (`distributed.decided_by_main`), so rank 0 alone prints it."""
 
     shared = False
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none: a library's error
+    quoted inside one of our one-line messages."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -70,7 +69,7 @@ def write_eval(result: EvalResult, ks: Sequence[int], directory: Path, title: st
     directory; returns their paths."""
     directory.mkdir(parents=True, exist_ok=True)
     samples_path = directory / "samples.jsonl"
-    atomic.write_text(samples_path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in result.completions))
+    atomic.write_jsonl(samples_path, result.completions)
     frame = passk_frame(result, ks)
     csv_path, md_path, png_path = (directory / f"passk.{ext}" for ext in ("csv", "md", "png"))
     atomic.write_text(md_path, passk_markdown(result, frame, title))

@@ -377,13 +377,12 @@ def evaluate_model(
         temperature=temperature,
         seed=seed,
         seconds=time.perf_counter() - started,
-        completions=[
-            row for i in order for row in sorted(shown_rows.get(i, []), key=lambda r: r["sample"] != "greedy")
-        ],
+        completions=[row for i in order for row in sorted(shown_rows.get(i, []), key=_greedy_first)],
     )
 
 
 def _greedy_first(row: dict) -> bool:
+    """Sort key: a problem's greedy row before its samples (False sorts first; sorted() is stable)."""
     return row["sample"] != "greedy"
 
 

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from atrctl.errors import UserError
+from atrctl.errors import UserError, first_line
 
 CHECK_PROMPT = "What is 12 + 30? Answer:"
 
@@ -42,8 +42,7 @@ def import_gguf(file: Path, out: Path, overwrite: bool = False) -> dict:
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except Exception as error:  # an architecture transformers cannot read from GGUF, a damaged file, ...
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"transformers cannot load {file} ({first})") from None
+        raise UserError(f"transformers cannot load {file} ({first_line(error)})") from None
     model.hf_quantizer = None  # what makes save_pretrained refuse; the weights are already plain float32
     model.config.__dict__.pop("quantization_config", None)
     model.eval()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from atrctl.errors import UserError
+from atrctl.errors import UserError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -117,9 +117,8 @@ def load_model(
             tokenizer = AutoTokenizer.from_pretrained(source)
             model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, output_loading_info=True)
         except (OSError, ValueError, SafetensorError) as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise UserError(
-                f"model '{name_or_path}' could not be loaded ({reason}): give a preset "
+                f"model '{name_or_path}' could not be loaded ({first_line(err)}): give a preset "
                 f"({', '.join(PRESETS)}), a local model directory or a hub name"
             ) from None
         _report_loading(name_or_path, loading, strict)

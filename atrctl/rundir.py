@@ -190,7 +190,7 @@ class RunDir:
         """samples/step-<step>.jsonl: completions of a held-out check, to read what the policy writes."""
         self.samples.mkdir(exist_ok=True)
         path = self.samples / f"step-{step}.jsonl"
-        atomic.write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        atomic.write_jsonl(path, rows)
         return path
 
     def finish(self, model, tokenizer, summary: dict) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from atrctl.errors import UserError
+from atrctl.errors import UserError, first_line
 from atrctl.tasks.problem import SPLITS, Problem, check_format
 from atrctl.tasks.split import split_of
 
@@ -98,7 +98,7 @@ def _load_local(task: str, path: str):
     try:
         return datasets.load_dataset(kind, data_files=str(file), split="train")
     except Exception as err:  # the library's error types vary by format; the user needs the file named
-        raise UserError(f"could not read {path} as {kind}: {_first_line(err)}; fix or regenerate the file") from err
+        raise UserError(f"could not read {path} as {kind}: {first_line(err)}; fix or regenerate the file") from err
 
 
 def _load_hub(name: str, config: str | None):
@@ -108,11 +108,6 @@ def _load_hub(name: str, config: str | None):
         return datasets.load_dataset(name, config)
     except Exception as err:  # offline, misspelled, gated: all end the same way for the user
         raise UserError(
-            f"could not load {name!r} from the Hugging Face hub ({_first_line(err)}); "
+            f"could not load {name!r} from the Hugging Face hub ({first_line(err)}); "
             "check the name and network, or pass an existing local .jsonl/.parquet file as path"
         ) from err
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
