@@ -50,14 +50,34 @@ def parts(rows: int, count: int) -> list[slice]:
     return [slice(i * size, (i + 1) * size) for i in range(count)]
 
 
-def micro_parts(part: slice, micro_batch: int) -> list[slice]:
-    """A mini-batch's rows in slices of at most `micro_batch` (0 = the whole mini-batch)."""
-    step = micro_batch or part.stop - part.start
-    return [slice(start, min(start + step, part.stop)) for start in range(part.start, part.stop, step)]
+def micro_batches(indices: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
+    """Row indices (e.g. the rows of a mini-batch the update trains on) in consecutive pieces of at most
+    `micro_batch` (0 = one piece); none for no rows."""
+    if len(indices) == 0:
+        return []
+    return list(indices.split(micro_batch or len(indices)))
 
 
-def rows(rollout: Rollout, where: slice) -> Rollout:
+def rows(rollout: Rollout, where: slice | torch.Tensor) -> Rollout:
     return Rollout(*(getattr(rollout, f)[where] for f in Rollout.__dataclass_fields__))
+
+
+def trimmed(rollout: Rollout) -> Rollout:
+    """The same rows without the columns that are padding in every row: the prompt's leading ones and the
+    completion's trailing ones.  A subset of rows (a micro-batch, the rows left after skipping) is often
+    shorter than the batch it came from; the trimmed columns change no logit of the others (causal
+    attention, positions that skip padding), they only cost time."""
+    used_prompt = rollout.prompt_mask.any(0).nonzero()
+    first = int(used_prompt[0]) if len(used_prompt) else 0
+    used_completion = rollout.completion_mask.any(0).nonzero()
+    width = int(used_completion[-1]) + 1 if len(used_completion) else 1
+    return Rollout(
+        rollout.prompt_ids[:, first:],
+        rollout.prompt_mask[:, first:],
+        rollout.completion_ids[:, :width],
+        rollout.completion_mask[:, :width],
+        rollout.logprobs[:, :width],
+    )
 
 
 def concat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:

@@ -130,6 +130,12 @@ class AlgoConfig:
     micro_batch: int = 0
     """Most completions per forward/backward (0 = a whole mini-batch): gradients accumulate over micro-batches,
     weighted so that the optimiser step is the same as without them, for every aggregation."""
+    skip_zero_advantage: bool = True
+    """Leave out of the forward/backward the rows whose advantage is exactly 0 (every completion of a group
+    with one reward): they carry no policy-loss gradient.  Only where no other term needs them (beta = 0,
+    entropy_coef = 0); the mini-batch's normaliser still counts them, so the step is the same to float
+    noise.  The step's loss diagnostics (clip/*, kl3/*, ratio/*, entropy) then describe the rows trained on;
+    `rows/skipped` is the share left out.  false = every row, e.g. to log entropy over the whole batch."""
     beta: float = 0.0
     """KL-to-reference coefficient; 0 loads no reference model."""
     kl_estimator: str = "k3"

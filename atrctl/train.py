@@ -25,7 +25,16 @@ import torch
 
 from atrctl import distributed
 from atrctl.advantages import group_advantages
-from atrctl.batching import concat_rollouts, micro_parts, parts, rank_positions, rollout_seed, rows, sampling_chunks
+from atrctl.batching import (
+    concat_rollouts,
+    micro_batches,
+    parts,
+    rank_positions,
+    rollout_seed,
+    rows,
+    sampling_chunks,
+    trimmed,
+)
 from atrctl.checkpoint import (
     TrainState,
     capture_rng,
@@ -275,7 +284,8 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 # What a resume may change in config.toml: how long the run goes, how often it checkpoints or is evaluated, and
 # where it runs.  Anything else would make the run something other than what its checkpoint trained.
 RESUMABLE_EDITS = {("run", "steps"), ("run", "checkpoint_every"), ("run", "max_bad_steps"), ("run", "tensorboard"),
-                   ("run", "rollback"), ("eval", "every"), ("model", "device")}  # fmt: skip
+                   ("run", "rollback"), ("eval", "every"), ("model", "device"), ("algo", "micro_batch"),
+                   ("algo", "skip_zero_advantage")}  # fmt: skip
 
 
 def _check_same_recipe(state: TrainState, recipe: Recipe, run_dir: RunDir) -> None:
@@ -416,24 +426,24 @@ def update_step(
     """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
     algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch(run.device)
     minibatches = parts(advantages.shape[0], algo.minibatches)  # row slices of whole groups
-    micro = [w for part in minibatches for w in micro_parts(part, algo.micro_batch)]  # each minibatch's pieces
+    trained = [_trained_rows(algo, advantages, part) for part in minibatches]  # row indices each one trains on
     on_policy = is_on_policy(algo)
     old_logp = ref_logp = None
     with clock("logprobs"), torch.no_grad(), run.numerics.autocast():
         if recomputes_old_logprobs(algo, run.sampler):
-            old_logp = _logprobs(run.model, rollout, micro, cfg.rollout.temperature)
+            old_logp = _logprobs(run.model, rollout, trained, algo.micro_batch, cfg.rollout.temperature)
         elif not on_policy:
             old_logp = rollout.logprobs  # [rows, T], the backend's own (it says they match)
         if run.reference is not None:
-            ref_logp = _logprobs(run.reference, rollout, micro, cfg.rollout.temperature)
+            ref_logp = _logprobs(run.reference, rollout, trained, algo.micro_batch, cfg.rollout.temperature)
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.run.steps)
 
     collected, finite = [], True
     with clock("update"):
         for _ in range(algo.num_iterations):
-            for part in minibatches:
-                metrics = _optimiser_step(run, rollout, advantages, part, old_logp, ref_logp, on_policy)
+            for part, rows_trained in zip(minibatches, trained, strict=True):
+                metrics = _optimiser_step(run, rollout, advantages, part, rows_trained, old_logp, ref_logp, on_policy)
                 if metrics is None:
                     finite = False
                 else:
@@ -443,34 +453,58 @@ def update_step(
     return metrics, finite
 
 
-def _optimiser_step(
-    run: Run, rollout: Rollout, advantages: torch.Tensor, part: slice, old_logp, ref_logp, on_policy: bool
-) -> dict[str, float] | None:
-    """Accumulate one mini-batch's gradient over micro-batches and ranks, then step; None if skipped.
+def skips_zero_advantage(algo: AlgoConfig) -> bool:
+    """Whether the update leaves out rows with advantage 0 (`AlgoConfig.skip_zero_advantage`).  Every
+    registered loss is a multiple of A token by token, so such a row's policy-loss gradient is exactly 0;
+    the KL penalty and the entropy bonus are not, and a loss that declares `needs_every_row` is not either."""
+    needed = algo.beta > 0 or algo.entropy_coef != 0 or getattr(POLICY_LOSSES[algo.loss], "needs_every_row", False)
+    return algo.skip_zero_advantage and not needed
 
-    Each micro-batch's loss is weighted by its normaliser over the mini-batch's (summed over ranks),
-    so the summed gradient equals the single-process, whole-mini-batch gradient for every aggregation.
+
+def _trained_rows(algo: AlgoConfig, advantages: torch.Tensor, part: slice) -> torch.Tensor:
+    """Indices of the mini-batch's rows that go through the forward/backward pass."""
+    where = torch.arange(part.start, part.stop, device=advantages.device)
+    return where[advantages[part] != 0] if skips_zero_advantage(algo) else where
+
+
+def _optimiser_step(
+    run: Run,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    part: slice,
+    trained: torch.Tensor,
+    old_logp,
+    ref_logp,
+    on_policy: bool,
+) -> dict[str, float] | None:
+    """Accumulate one mini-batch's gradient over micro-batches (of its `trained` rows) and ranks, then step;
+    None if skipped.
+
+    Each micro-batch's loss is weighted by its normaliser over the whole mini-batch's (summed over ranks,
+    skipped rows included), so the summed gradient equals the single-process, whole-mini-batch gradient
+    for every aggregation.
     """
     algo, cfg = run.recipe.algo, run.recipe
     # the mini-batch's normaliser (its tokens or sequences) over every rank: a micro-batch's share is its own / this
     total = distributed.all_sum(aggregation_normaliser(rollout.completion_mask[part], algo.agg).double()).clamp(min=1)
     run.optimizer.zero_grad(set_to_none=True)
     micro, finite = [], True
-    for where in micro_parts(part, algo.micro_batch):
-        sub = rows(rollout, where)  # the micro-batch: every [rows, ...] tensor sliced to `where`
-        with run.numerics.autocast():  # logp, entropy: [micro rows, T] float32
+    for where in micro_batches(trained, algo.micro_batch):
+        sub = trimmed(rows(rollout, where))  # the micro-batch: every [rows, ...] tensor indexed by `where`
+        width = sub.completion_ids.shape[1]
+        with run.numerics.autocast():  # logp, entropy: [micro rows, width] float32
             logp, entropy = completion_logprobs_and_entropy(
                 run.model, sub, cfg.rollout.temperature, entropy_grad=bool(algo.entropy_coef)
             )
         loss, metrics = policy_loss(
             logp,
-            logp.detach() if on_policy else old_logp[where],
+            logp.detach() if on_policy else old_logp[where, :width],
             advantages[where],
             sub.completion_mask,
             algo=algo.loss,
             agg=algo.agg,
             max_new_tokens=cfg.rollout.max_new_tokens,
-            ref_logp=None if ref_logp is None else ref_logp[where],
+            ref_logp=None if ref_logp is None else ref_logp[where, :width],
             beta=algo.beta,
             kl_estimator=algo.kl_estimator,
             entropy=entropy,
@@ -483,6 +517,9 @@ def _optimiser_step(
         weight = (aggregation_normaliser(sub.completion_mask, algo.agg) / total).item()  # its exact share
         (loss * weight).backward()
         micro.append((metrics, float(sub.completion_mask.sum()), weight))
+    for parameter in run.model.parameters():  # no row trained: a zero gradient still steps AdamW (momentum,
+        if parameter.grad is None and parameter.requires_grad:  # weight decay), exactly as computing it would
+            parameter.grad = torch.zeros_like(parameter)
     distributed.sum_gradients(run.model.parameters())
     finite = bool(distributed.all_min(torch.tensor(float(finite), device=run.device)))
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip).item() if finite else 0.0
@@ -490,11 +527,21 @@ def _optimiser_step(
         run.optimizer.zero_grad(set_to_none=True)
         return None
     run.optimizer.step()
-    return {**reduce_step_metrics(micro, run.device), "grad_norm": grad_norm}
+    skipped = distributed.all_sum(torch.tensor([part.stop - part.start - len(trained), part.stop - part.start]))
+    keys = list(micro[0][0]) if micro else _metric_names(run.recipe)  # the same on every rank
+    measured = reduce_step_metrics(micro, keys, run.device)
+    return {**measured, "rows/skipped": (skipped[0] / skipped[1]).item(), "grad_norm": grad_norm}
 
 
-def _logprobs(model: torch.nn.Module, rollout: Rollout, where: list[slice], temperature: float) -> torch.Tensor:
-    return torch.cat([completion_logprobs(model, rows(rollout, w), temperature) for w in where])
+def _logprobs(
+    model: torch.nn.Module, rollout: Rollout, trained: list[torch.Tensor], micro_batch: int, temperature: float
+) -> torch.Tensor:
+    """No-grad logprobs [rows, T] of the rows the update trains on, in its micro-batches; 0 elsewhere."""
+    out = torch.zeros_like(rollout.logprobs)
+    for where in (piece for rows_trained in trained for piece in micro_batches(rows_trained, micro_batch)):
+        logp = completion_logprobs(model, trimmed(rows(rollout, where)), temperature)
+        out[where, : logp.shape[1]] = logp
+    return out
 
 
 SHOWN_PROBLEMS = 8  # held-out problems whose greedy and first sampled completions go to samples/step-<N>.jsonl
@@ -641,25 +688,34 @@ def validate_algo(recipe: Recipe, world: int | None = None) -> None:
             f"rollout.prompts ({recipe.rollout.prompts}) must be divisible by algo.minibatches "
             f"({algo.minibatches}){ranks} so that groups stay whole"
         )
-    probe = torch.zeros(1, 1)
     try:
-        policy_loss(
-            probe,
-            probe,
-            torch.zeros(1),
-            torch.ones(1, 1),
-            algo=algo.loss,
-            agg=algo.agg,
-            max_new_tokens=recipe.rollout.max_new_tokens,
-            ref_logp=probe if algo.beta > 0 else None,
-            beta=algo.beta,
-            kl_estimator=algo.kl_estimator,
-            entropy=probe,
-            entropy_coef=algo.entropy_coef,
-            **algo.args,
-        )
+        _probe_loss(recipe)
     except ValueError as error:
         raise UserError(f"algo.args for '{algo.loss}': {error}") from None
+
+
+def _probe_loss(recipe: Recipe):
+    """The recipe's policy loss on one token: it raises on bad parameters, and its metrics name the loss's."""
+    algo, probe = recipe.algo, torch.zeros(1, 1)
+    return policy_loss(
+        probe,
+        probe,
+        torch.zeros(1),
+        torch.ones(1, 1),
+        algo=algo.loss,
+        agg=algo.agg,
+        max_new_tokens=recipe.rollout.max_new_tokens,
+        ref_logp=probe if algo.beta > 0 else None,
+        beta=algo.beta,
+        kl_estimator=algo.kl_estimator,
+        entropy=probe,
+        entropy_coef=algo.entropy_coef,
+        **algo.args,
+    )
+
+
+def _metric_names(recipe: Recipe) -> list[str]:
+    return list(_probe_loss(recipe).metrics)
 
 
 def is_on_policy(algo: AlgoConfig) -> bool:
@@ -729,16 +785,20 @@ def prompts_for_step(pool_size: int, step: int, prompts: int, seed: int) -> list
 
 
 def combine_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Merge the metrics of several optimiser steps, each by the reduction its name declares (min, max or mean)."""
+    """Merge the metrics of several optimiser steps, each by the reduction its name declares (min, max or mean),
+    over the steps that measured it (one that trained no row measured no loss diagnostics)."""
     reducers = {"min": min, "max": max, "mean": lambda values: sum(values) / len(values)}
-    return {key: reducers[metric_reduction(key)]([step[key] for step in steps]) for key in steps[0]}
+    keys = dict.fromkeys(key for step in steps for key in step)
+    return {key: reducers[metric_reduction(key)]([step[key] for step in steps if key in step]) for key in keys}
 
 
-def reduce_step_metrics(micro: list[tuple[dict[str, float], float, float]], device: torch.device) -> dict[str, float]:
-    """One optimiser step's metrics from (metrics, tokens, loss weight) of its micro-batches on every rank:
-    `loss` is the weighted sum (the mini-batch loss), .../min and .../max are extremes, the rest
-    token-weighted means."""
-    keys = list(micro[0][0])
+def reduce_step_metrics(
+    micro: list[tuple[dict[str, float], float, float]], keys: list[str], device: torch.device
+) -> dict[str, float]:
+    """One optimiser step's metrics `keys` from (metrics, tokens, loss weight) of its micro-batches on every
+    rank (a rank may have none): `loss` is the weighted sum (the mini-batch loss), .../min and .../max are
+    extremes, the rest token-weighted means.  Only `loss` when no rank trained a token (every row skipped):
+    the mini-batch's loss is then 0, and the rest was not measured."""
     lows = [k for k in keys if metric_reduction(k) == "min"]
     highs = [k for k in keys if metric_reduction(k) == "max"]
     means = [k for k in keys if metric_reduction(k) == "mean"]
@@ -752,8 +812,12 @@ def reduce_step_metrics(micro: list[tuple[dict[str, float], float, float]], devi
         distributed.all_sum,
     )
     out = {k: total if k == "loss" else total / max(sums[-1], 1.0) for k, total in zip(means, sums, strict=False)}
-    out.update(zip(lows, gathered([min(m[k] for m, _, _ in micro) for k in lows], distributed.all_min), strict=True))
-    out.update(zip(highs, gathered([max(m[k] for m, _, _ in micro) for k in highs], distributed.all_max), strict=True))
+    out.update(zip(lows, gathered([min((m[k] for m, _, _ in micro), default=math.inf) for k in lows],
+                                  distributed.all_min), strict=True))  # fmt: skip
+    out.update(zip(highs, gathered([max((m[k] for m, _, _ in micro), default=-math.inf) for k in highs],
+                                   distributed.all_max), strict=True))  # fmt: skip
+    if sums[-1] == 0:
+        return {"loss": out["loss"]}
     return {k: out[k] for k in keys}
 
 

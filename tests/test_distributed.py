@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atrctl.batching import concat_rollouts, micro_parts, parts, rank_positions, rollout_seed, sampling_chunks
+from atrctl.batching import concat_rollouts, micro_batches, parts, rank_positions, rollout_seed, sampling_chunks
 from atrctl.config import load_recipe
 from atrctl.errors import UserError
 from atrctl.losses import aggregation_normaliser
@@ -83,9 +83,11 @@ def test_sampling_chunks_are_aligned_and_never_cross_a_run():
     assert rollout_seed(0, 1, 2) != rollout_seed(0, 2, 1) != rollout_seed(1, 1, 2)
 
 
-def test_micro_parts_cover_the_minibatch():
-    assert micro_parts(slice(4, 14), 4) == [slice(4, 8), slice(8, 12), slice(12, 14)]
-    assert micro_parts(slice(0, 6), 0) == [slice(0, 6)]
+def test_micro_batches_cover_the_rows():
+    pieces = micro_batches(torch.arange(4, 14), 4)
+    assert [p.tolist() for p in pieces] == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    assert [p.tolist() for p in micro_batches(torch.arange(6), 0)] == [list(range(6))]
+    assert micro_batches(torch.arange(0), 3) == []
 
 
 def test_concat_rollouts_pads_prompts_left_and_completions_right():

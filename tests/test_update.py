@@ -1,0 +1,138 @@
+"""The update step does less work without changing the step: rows with advantage 0 are left out of the
+forward/backward (their policy-loss gradient is exactly 0), and the mini-batch's normaliser still counts them."""
+
+import pytest
+import torch
+
+from atrctl import train as train_module
+from atrctl.config import load_recipe
+from atrctl.losses import POLICY_LOSSES, loss_parameters, policy_loss
+from atrctl.train import build_run, rollout_step, skips_zero_advantage, update_step
+
+FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
+        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
+        "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "algo.minibatches=2",
+        "algo.num_iterations=2", "optim.lr=1e-5", "rollout.temperature=2.0"]  # fmt: skip
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def recipe(*overrides):
+    return load_recipe(None, [*FAST, *overrides])
+
+
+class Update:
+    """One update_step from the base: the gradient each optimiser step took, the parameters after, its metrics."""
+
+    def __init__(self, results, advantages, *overrides, rollout=None):
+        run = build_run(recipe(*overrides), results / "unused", results)
+        self.rollout = rollout if rollout is not None else rollout_step(run, 0)[0]
+        self.forwards, self.gradients = 0, []
+        run.model.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+        step = run.optimizer.step
+
+        def recording_step():
+            self.gradients.append({k: p.grad.clone() for k, p in run.model.named_parameters()})
+            step()
+
+        run.optimizer.step = recording_step
+        self.metrics, finite = update_step(run, self.rollout, advantages, 0)
+        assert finite
+        self.parameters = {k: v.detach().clone() for k, v in run.model.named_parameters()}
+
+
+def assert_same_update(a: Update, b: Update):
+    """The same gradient at every optimiser step (float32 noise, measured ~5e-7 of its norm, allowed 1e-5),
+    and so the same parameters.  AdamW divides each entry by its own running scale, |g| + 1e-8 at the first
+    step, so an entry whose gradient is float noise in both runs (|g| ~ 1e-9) can move by a visible part of
+    one step, lr: measured at most 1.3% of lr, in 7 entries of a million.  The parameters are compared to 10%
+    of lr entry by entry and to 1e-4 of lr on average; lr is small so such a difference cannot change the
+    later steps' gradients."""
+    assert len(a.gradients) == len(b.gradients)
+    for ga, gb in zip(a.gradients, b.gradients, strict=True):
+        difference = torch.cat([(ga[key] - gb[key]).flatten() for key in ga]).norm()
+        assert difference <= 1e-5 * torch.cat([g.flatten() for g in gb.values()]).norm()
+    lr = recipe().optim.lr
+    moved = torch.cat([(a.parameters[key] - b.parameters[key]).abs().flatten() for key in a.parameters]) / lr
+    assert moved.max() <= 0.1 and moved.mean() <= 1e-4
+
+
+# rows are prompt-major (4 prompts × G = 4); mini-batch 1 is rows 0-7, mini-batch 2 rows 8-15
+# (any values: a group's need not sum to 0, so identical completions still get a gradient)
+ONE_GROUP_SOLVED = torch.tensor([0.0] * 4 + [1.5, -0.3, 0.7, -1.2] + [-0.87, 0.4, 0.87, 1.1] + [0.0] * 4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("algo.agg=seq-mean-token-mean",),
+        ("algo.agg=seq-mean-token-sum-norm", "algo.loss=grpo"),
+        ("algo.loss=gspo", "algo.agg=seq-mean-token-mean"),
+        ("algo.loss=cispo", "algo.micro_batch=3"),
+    ],
+)
+def test_skipping_zero_advantage_rows_changes_no_parameter(results, overrides):
+    skipped = Update(results, ONE_GROUP_SOLVED, *overrides)
+    every_row = Update(results, ONE_GROUP_SOLVED, *overrides, "algo.skip_zero_advantage=false", rollout=skipped.rollout)
+    assert_same_update(skipped, every_row)
+    assert skipped.metrics["loss"] == pytest.approx(every_row.metrics["loss"], abs=1e-7)  # the skipped rows' is 0
+    assert skipped.metrics["rows/skipped"] == pytest.approx(0.5) and every_row.metrics["rows/skipped"] == 0
+    assert skipped.forwards <= every_row.forwards
+
+
+def test_a_minibatch_with_nothing_to_train_runs_no_forward_pass_yet_steps_adamw_as_before(results):
+    """Every advantage 0: no forward at all, but AdamW still takes its (weight-decay) step on zero gradients."""
+    zeros = torch.zeros(16)
+    skipped = Update(results, zeros, "optim.weight_decay=0.1")
+    every_row = Update(
+        results, zeros, "optim.weight_decay=0.1", "algo.skip_zero_advantage=false", rollout=skipped.rollout
+    )
+    assert skipped.forwards == 0 and every_row.forwards > 0
+    assert_same_update(skipped, every_row)
+    base = build_run(recipe(), results / "unused", results).model
+    assert any(not torch.equal(p, skipped.parameters[k]) for k, p in base.named_parameters())  # decay moved them
+    assert skipped.metrics["rows/skipped"] == 1 and skipped.metrics["loss"] == 0
+    assert "clip/low" not in skipped.metrics and "clip/low" in every_row.metrics  # not measured, not reported
+
+
+def test_a_partly_skipped_minibatch_reports_the_rows_it_trained(results):
+    """Mini-batch 2 holds one trained group: the step's figures are over the rows with a gradient."""
+    half = ONE_GROUP_SOLVED.clone()
+    half[4:8] = 0  # mini-batch 1: nothing to train
+    metrics = Update(results, half).metrics
+    assert metrics["rows/skipped"] == pytest.approx((8 / 8 + 4 / 8) / 2)
+    assert 0 <= metrics["clip/region"] <= 1 and metrics["ratio/min"] <= 1 <= metrics["ratio/max"]
+
+
+def test_rows_are_skipped_only_where_no_other_term_needs_them():
+    assert skips_zero_advantage(recipe().algo)
+    assert not skips_zero_advantage(recipe("algo.skip_zero_advantage=false").algo)
+    assert not skips_zero_advantage(recipe("algo.beta=0.01").algo)  # the KL to the reference has a gradient
+    assert not skips_zero_advantage(recipe("algo.entropy_coef=0.01").algo)  # so has the entropy bonus
+
+
+def test_a_loss_that_needs_every_row_says_so(monkeypatch):
+    needy = lambda tokens: (tokens.ratio - 1, {})  # noqa: E731 - a term without A
+    needy.needs_every_row = True
+    monkeypatch.setitem(POLICY_LOSSES, "needy", needy)
+    assert not skips_zero_advantage(recipe("algo.loss=needy").algo)
+    assert train_module.skips_zero_advantage(recipe("algo.loss=grpo").algo)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_registered_loss_gives_a_zero_advantage_row_exactly_no_gradient(name):
+    """The premise of skipping: a row with A = 0 gets gradient exactly 0, whatever its ratio."""
+    torch.manual_seed(0)
+    params = {k: v for k, v in loss_parameters(name).items() if v is not None}
+    if name == "divergence":
+        params = {"measure": "kl3", "delta": 0.1}
+    logp = torch.randn(3, 5).mul(0.3).sub(1.0).requires_grad_()
+    old_logp = logp.detach() + torch.randn(3, 5) * 0.2
+    advantages = torch.tensor([0.0, 1.2, -0.7])
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        loss, _ = policy_loss(
+            logp, old_logp, advantages, torch.ones(3, 5), algo=name, agg=agg, max_new_tokens=5, **params
+        )
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert torch.equal(grad[0], torch.zeros(5)) and grad[1:].abs().sum() > 0, (name, agg)
