@@ -2,14 +2,17 @@
 
 This is the training-side twin of a rollout backend's logprobs: same padding, positions and float32
 log_softmax, so the ratio w of the first update on a fresh rollout is exactly 1 (up to float noise).
-A group's G rows share their prompt, which runs once per group (`_completion_logits`).
+A group's G rows share their prompt, which runs once per group (`_completion_outputs`), and only the
+completion tokens are projected to the vocabulary, a chunk at a time (`selective_log_softmax`).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from atrctl.rollout import Rollout, position_ids
 
@@ -33,17 +36,98 @@ def completion_logprobs_and_entropy(
     """(logprobs, entropy of the sampling distribution) per completion token, both [B, T], 0 where masked.
 
     The entropy shares the forward pass.  It carries a gradient (for an entropy bonus) only when
-    `entropy_grad`: otherwise autograd would keep a [B, T, vocab] tensor alive for nothing.
+    `entropy_grad`.  Only the completion tokens are projected to the vocabulary, a chunk at a time
+    (`selective_log_softmax`): float32 logits of a whole micro-batch, [B, T, vocab], never exist at once.
     """
-    logp_all = torch.log_softmax(_completion_logits(model, rollout, temperature), -1)
-    logp = logp_all.gather(-1, rollout.completion_ids[..., None])[..., 0]
+    states, head = _completion_states(model, rollout)
+    return selective_log_softmax(
+        states, head, rollout.completion_ids, rollout.completion_mask, temperature, entropy_grad
+    )
+
+
+CHUNK_BYTES = 32 * 2**20
+"""Float32 logits projected at once by `selective_log_softmax`: 32 MiB is 170 tokens of a 49k vocabulary,
+55 of a 152k one, the whole batch of a 64-token one — enough rows to keep the matrix product efficient."""
+
+
+def selective_log_softmax(
+    states: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(head(states).float() / temperature) at `targets`, and the distribution's entropy: [B, T]
+    float32 each, 0 where `mask` is 0.
+
+    states: [B, T, H] (what predicts each target), targets and mask: [B, T].  Only masked positions are
+    projected, `CHUNK_BYTES` of logits at a time, each chunk under activation checkpointing: autograd keeps
+    the [tokens, H] states and recomputes a chunk's logits in the backward pass (one more pass of the
+    output projection, ~1/6 of a small model's FLOPs), so the peak holds one chunk's [tokens, vocab]
+    tensors instead of the micro-batch's.  Same arithmetic as the full log_softmax, row by row.
+    """
+    picked = mask.bool()
+    flat_states, flat_targets = states[picked], targets[picked]  # [N, H], [N]
+    vocab = getattr(head, "out_features", states.shape[-1])
+    per_chunk = max(1, CHUNK_BYTES // (4 * vocab))
+    track = torch.is_grad_enabled() and flat_states.requires_grad
+    pieces = []
+    for start in range(0, len(flat_targets), per_chunk):
+        chunk = (flat_states[start : start + per_chunk], flat_targets[start : start + per_chunk])
+        if track:
+            pieces.append(checkpoint(_chunk_logprobs, head, *chunk, temperature, entropy_grad, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(head, *chunk, temperature, entropy_grad))
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if not pieces:
+        return zeros, zeros.clone()
+    logp, entropy = (torch.cat(column) for column in zip(*pieces, strict=True))
+    return zeros.masked_scatter(picked, logp), zeros.masked_scatter(picked, entropy)
+
+
+def _chunk_logprobs(head, states, targets, temperature: float, entropy_grad: bool):
+    """(logprob of each target, entropy) of one chunk: [n] float32 each."""
+    logp_all = torch.log_softmax(head(states).float() / temperature, -1)  # [n, vocab]
+    logp = logp_all.gather(-1, targets[:, None])[:, 0]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp * rollout.completion_mask, entropy * rollout.completion_mask
+    return logp, entropy
 
 
-def _completion_logits(model: PreTrainedModel, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """Float32 logits / temperature at the positions that predict each completion token: [B, T, V].
+def _completion_states(model: PreTrainedModel, rollout: Rollout) -> tuple[torch.Tensor, torch.nn.Module]:
+    """(states [B, T, H] at the positions that predict each completion token, the module that maps them to
+    logits).  The decoder's last hidden states and the output projection where the model's logits are
+    exactly that projection (`_head_is_linear`); otherwise its logits and the identity."""
+    if _head_is_linear(model):
+        states = _completion_outputs(model.get_decoder(), rollout, lambda out: out.last_hidden_state, False)
+        return states, model.get_output_embeddings()
+    return _completion_outputs(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
+
+
+_LINEAR_HEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _head_is_linear(model: PreTrainedModel) -> bool:
+    """Whether logits = output_embeddings(decoder's last hidden state), checked once per model on a short
+    input: a model that scales or soft-caps its logits (Gemma 2's final_logit_softcapping, Cohere's
+    logit_scale) keeps the full-logits path."""
+    if model not in _LINEAR_HEAD:
+        decoder, head = getattr(model, "get_decoder", lambda: None)(), model.get_output_embeddings()
+        matches = isinstance(head, torch.nn.Linear) and decoder is not None and decoder is not model
+        if matches:
+            ids = torch.arange(3, device=head.weight.device)[None] % head.out_features
+            with torch.no_grad():
+                full = model(input_ids=ids).logits
+                split = head(decoder(input_ids=ids).last_hidden_state)
+            matches = full.shape == split.shape and torch.equal(full, split)
+        _LINEAR_HEAD[model] = matches
+    return _LINEAR_HEAD[model]
+
+
+def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool) -> torch.Tensor:
+    """`pick(module(...))` at the positions that predict each completion token: [B, T, ...] (a language
+    model, `is_lm`, is asked for the logits of those positions only).
 
     Rows of a GRPO group share their prompt, so the prompt runs through the model once per distinct
     prompt (a run of consecutive rows with equal ids and mask) and its KV cache, graph included, is
@@ -57,42 +141,48 @@ def _completion_logits(model: PreTrainedModel, rollout: Rollout, temperature: fl
     prompt, prompt_mask, completion = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
     mask = torch.cat([prompt_mask, rollout.completion_mask], dim=1)
     positions = position_ids(mask)
+    config = getattr(module, "config", None)
+
+    def keep(last: int) -> dict:
+        return {"logits_to_keep": last} if is_lm else {}
 
     def single_pass() -> torch.Tensor:
         ids = torch.cat([prompt, completion], dim=1)
-        logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=completion.shape[1] + 1
-        ).logits[:, :-1]
-        return logits.float() / temperature
+        out = pick(module(input_ids=ids, attention_mask=mask, position_ids=positions, **keep(completion.shape[1] + 1)))
+        return out[:, -completion.shape[1] - 1 : -1]
 
     first_rows, counts = _runs(torch.cat([prompt, prompt_mask], dim=1))
-    if len(counts) == prompt.shape[0] or getattr(model, "is_activation_checkpointing", False):
+    if len(counts) == prompt.shape[0] or getattr(module, "is_activation_checkpointing", False):
         return single_pass()
     width = prompt.shape[1]
-    cache = DynamicCache(config=model.config)
-    head = model(
-        input_ids=prompt[first_rows],
-        attention_mask=prompt_mask[first_rows],
-        position_ids=positions[first_rows, :width],
-        cache=cache,
-        logits_to_keep=1,
-    ).logits[:, -1]
+    cache = DynamicCache(config=config)
+    head = pick(
+        module(
+            input_ids=prompt[first_rows],
+            attention_mask=prompt_mask[first_rows],
+            position_ids=positions[first_rows, :width],
+            cache=cache,
+            **keep(1),
+        )
+    )[:, -1]
     owner = torch.repeat_interleave(torch.arange(len(counts), device=prompt.device), counts)
     cache.batch_select_indices(owner)
-    logits = [head[owner][:, None]]  # the prompt's last position predicts the first completion token
+    outputs = [head[owner][:, None]]  # the prompt's last position predicts the first completion token
     if completion.shape[1] > 1:  # completion token t predicts t + 1; the last one predicts nothing
         end = width + completion.shape[1] - 1
-        logits.append(
-            model(
-                input_ids=completion[:, :-1],
-                attention_mask=mask[:, :end],
-                position_ids=positions[:, width:end],
-                cache=cache,
-            ).logits
+        outputs.append(
+            pick(
+                module(
+                    input_ids=completion[:, :-1],
+                    attention_mask=mask[:, :end],
+                    position_ids=positions[:, width:end],
+                    cache=cache,
+                )
+            )
         )
         if cache.get_seq_length() != end:  # the model ignored the cache (e.g. checkpointing we did not detect)
             return single_pass()
-    return torch.cat(logits, dim=1).float() / temperature
+    return torch.cat(outputs, dim=1)
 
 
 def _runs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
