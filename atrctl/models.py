@@ -7,6 +7,7 @@ transformers is imported inside the functions: importing this module must stay c
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import string
@@ -194,14 +195,40 @@ class Numerics:
                               enabled=self.autocast_enabled)  # fmt: skip
 
 
-def numerics(device: torch.device, *, autocast: bool = True) -> Numerics:
-    """bfloat16 on a CUDA device that supports it, float32 otherwise (CPU bf16 is not used yet); with
-    autocast=False the forward passes keep the weights' dtype (evaluation, the warm-up's checks)."""
+def numerics(
+    device: torch.device, *, autocast: bool = True, policy: str = "auto", width: int | None = None
+) -> Numerics:
+    """The arithmetic of forward passes on `device`.  The frozen copies' dtype (`Numerics.dtype`) is bf16 on a
+    CUDA device that supports it, else float32.  A trained policy (`autocast`) computes under bf16 autocast
+    as `policy` (model.autocast) says: "auto" = on such a GPU, and on a CPU with native bf16 for a model at
+    least CPU_BF16_MIN_WIDTH wide (`width`, its hidden size); "bfloat16" = always; "off" = never.  With
+    autocast=False the passes keep the weights' dtype (evaluation, the warm-up's checks)."""
     import torch
 
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    return Numerics(device, dtype, dtype if bf16 and autocast else None)
+    gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype = torch.bfloat16 if gpu_bf16 else torch.float32
+    if policy == "auto":
+        cpu_bf16 = device.type == "cpu" and cpu_has_native_bf16() and (width or 0) >= CPU_BF16_MIN_WIDTH
+        use = gpu_bf16 or cpu_bf16
+    else:
+        use = policy == "bfloat16"
+    return Numerics(device, dtype, torch.bfloat16 if use and autocast else None)
+
+
+CPU_BF16_MIN_WIDTH = 256
+"""Narrower models stay float32 on CPU: their 64-wide products are too small for bf16 kernels to pay back
+the casts (and it keeps the tiny presets, the default run, exact).  Not yet measured on a bf16-native CPU:
+run benchmarks/cpu_bf16.py there."""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (the avx512_bf16 or amx_bf16 flag of /proc/cpuinfo)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -239,6 +266,37 @@ def sized_batch(model: torch.nn.Module, tokens_per_row: int, requested: int = 0)
         return requested
     rows = KV_BUDGET // max(1, kv_bytes_per_token(model) * tokens_per_row)
     return int(min(MAX_SAMPLE_BATCH, max(1, rows)))
+
+
+UPDATE_BUDGET = 4 * 2**30  # bytes of activations a default-sized micro-batch may keep for its backward pass
+
+
+def activation_bytes_per_token(model: torch.nn.Module, tokens_per_row: int) -> int:
+    """Bytes of activations one token of a row of `tokens_per_row` keeps for the backward pass, float32.
+
+    Per layer about 10 hidden-size vectors (norm inputs, q, k, v, attention output, residuals), 6 of the
+    MLP's width (gate, up, the activation's input and output, the product) and the attention probabilities
+    over the row, 2 × heads × tokens (CPU attention with a padding mask saves them).  At 320 tokens this
+    gives 2.5 MB for SmolLM2-135M and 4.5 MB for Qwen2.5-0.5B; one forward/backward there grew the process by
+    2.4 and 4.8 MB per token beyond its parameter gradients (benchmarks/update_memory.py).  With activation
+    checkpointing a layer keeps only its input, and the one being recomputed all of the above.
+    """
+    config = model.config
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    width = getattr(config, "intermediate_size", None) or 4 * hidden
+    layer = 10 * hidden + 6 * width + 2 * config.num_attention_heads * tokens_per_row
+    if getattr(model, "is_activation_checkpointing", False):
+        return 4 * (layers * hidden + layer)
+    return 4 * layers * layer
+
+
+def sized_micro_batch(model: torch.nn.Module, tokens_per_row: int, requested: int = 0) -> int:
+    """Rows per forward/backward: `requested` if > 0, else as many as UPDATE_BUDGET of activations holds at
+    `tokens_per_row` (at least 1).  SmolLM2-135M at 320 tokens: 6 rows; the tiny presets: whole mini-batches.
+    A constant budget (not the free memory) keeps a run's arithmetic a function of its recipe."""
+    if requested > 0:
+        return requested
+    return max(1, UPDATE_BUDGET // max(1, activation_bytes_per_token(model, tokens_per_row) * tokens_per_row))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -49,7 +49,7 @@ from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, metric_reduction, policy_loss
-from atrctl.models import Numerics
+from atrctl.models import Numerics, sized_micro_batch
 from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, prompt_style
 from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
@@ -489,7 +489,7 @@ def _optimiser_step(
     total = distributed.all_sum(aggregation_normaliser(rollout.completion_mask[part], algo.agg).double()).clamp(min=1)
     run.optimizer.zero_grad(set_to_none=True)
     micro, finite = [], True
-    for where in micro_batches(trained, algo.micro_batch):
+    for where in micro_batches(trained, _micro_batch(run.model, rollout, trained, algo.micro_batch)):
         sub = trimmed(rows(rollout, where))  # the micro-batch: every [rows, ...] tensor indexed by `where`
         width = sub.completion_ids.shape[1]
         with run.numerics.autocast():  # logp, entropy: [micro rows, width] float32
@@ -533,12 +533,22 @@ def _optimiser_step(
     return {**measured, "rows/skipped": (skipped[0] / skipped[1]).item(), "grad_norm": grad_norm}
 
 
+def _micro_batch(model: torch.nn.Module, rollout: Rollout, trained: torch.Tensor, requested: int) -> int:
+    """`algo.micro_batch`, or for 0 as many rows as the activation budget holds at the longest of these rows
+    (`models.sized_micro_batch`)."""
+    if requested or len(trained) == 0:
+        return requested
+    longest = trimmed(rows(rollout, trained))
+    return sized_micro_batch(model, longest.prompt_ids.shape[1] + longest.completion_ids.shape[1])
+
+
 def _logprobs(
     model: torch.nn.Module, rollout: Rollout, trained: list[torch.Tensor], micro_batch: int, temperature: float
 ) -> torch.Tensor:
     """No-grad logprobs [rows, T] of the rows the update trains on, in its micro-batches; 0 elsewhere."""
     out = torch.zeros_like(rollout.logprobs)
-    for where in (piece for rows_trained in trained for piece in micro_batches(rows_trained, micro_batch)):
+    pieces = (micro_batches(part, _micro_batch(model, rollout, part, micro_batch)) for part in trained)
+    for where in (piece for part_pieces in pieces for piece in part_pieces):
         logp = completion_logprobs(model, trimmed(rows(rollout, where)), temperature)
         out[where, : logp.shape[1]] = logp
     return out
@@ -637,7 +647,8 @@ def build_run(
     # Master weights in float32, loaded as such (a float32 checkpoint read in bf16 would lose its low
     # bits; bf16 ones upcast exactly); the device's numerics decide whether bf16 autocast does the arithmetic.
     model, tokenizer = load_model(str(base), recipe.model.device, "float32")
-    compute = numerics(next(model.parameters()).device)
+    width = getattr(model.config, "hidden_size", None)
+    compute = numerics(next(model.parameters()).device, policy=recipe.model.autocast, width=width)
     if recipe.model.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     model.train()

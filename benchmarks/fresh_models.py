@@ -38,6 +38,29 @@ def qwen_half_b_shape(tokenizer):
     return AutoModelForCausalLM.from_config(config)
 
 
+REAL_VOCABULARY_SHAPES = ("smollm2-135m", "qwen2.5-0.5b")
+
+
+def real_vocabulary_shape(name: str):
+    """A random model of a real checkpoint's shape *with its vocabulary* (49,152 or 151,936 rows of output
+    projection), where memory and time of the logits matter: SmolLM2-135M (Llama 30 × 576, GQA 9/3, MLP 1536)
+    or Qwen2.5-0.5B (Qwen2 24 × 896, GQA 14/2, MLP 4864); both tie the embeddings, as the real ones do."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    if name == "smollm2-135m":
+        config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                             tie_word_embeddings=True)  # fmt: skip
+    elif name == "qwen2.5-0.5b":
+        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                             rope_theta=1_000_000.0, tie_word_embeddings=True)  # fmt: skip
+    else:
+        raise ValueError(f"unknown shape {name!r}; choose one of {', '.join(REAL_VOCABULARY_SHAPES)}")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
 def save_model(name: str, directory: Path) -> Path:
     """Build `name` (a preset or the Qwen2.5-0.5B shape) with seed 0; save it with its tokenizer to directory/name."""
     tokenizer = build_char_tokenizer()

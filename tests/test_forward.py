@@ -38,11 +38,13 @@ def group_rollout(seed: int = 0, groups: int = 3, group: int = 4, prompt: int = 
 
 
 def plain(model, rollout: Rollout, temperature: float):
-    """The reference: one pass over prompt + completion, float32 log_softmax of the whole [B, T, vocab]."""
+    """The reference: one pass over prompt + completion, float32 log_softmax of the whole [B, T, vocab] (the
+    pass before chunking took with activation checkpointing, or where no prompt is shared)."""
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-    logp_all = torch.log_softmax(logits[:, rollout.prompt_ids.shape[1] - 1 : -1].float() / temperature, -1)
+    width = rollout.completion_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=width + 1).logits
+    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
     logp = logp_all.gather(-1, rollout.completion_ids[..., None])[..., 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp * rollout.completion_mask, entropy * rollout.completion_mask

@@ -1,7 +1,10 @@
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from atrctl import models
 from atrctl.errors import UserError
 from atrctl.models import (
     CHAR_ALPHABET,
@@ -152,3 +155,40 @@ def test_set_cpu_threads(monkeypatch):
             set_cpu_threads()
     finally:
         torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ bf16 autocast
+
+
+@pytest.mark.parametrize(
+    ("device", "policy", "native", "width", "expected"),
+    [
+        ("cpu", "auto", False, 576, None),  # emulated bf16 is slower than float32
+        ("cpu", "auto", True, 64, None),  # too narrow to pay back the casts
+        ("cpu", "auto", True, 576, torch.bfloat16),
+        ("cpu", "auto", True, None, None),  # width unknown (warm-up): float32
+        ("cpu", "bfloat16", False, 64, torch.bfloat16),
+        ("cpu", "off", True, 576, None),
+    ],
+)
+def test_bf16_autocast_on_cpu_only_where_it_is_native_and_the_model_wide(
+    monkeypatch, device, policy, native, width, expected
+):
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: native)
+    chosen = models.numerics(torch.device(device), policy=policy, width=width)
+    assert chosen.autocast_dtype is expected and chosen.dtype is torch.float32  # frozen copies stay float32
+    assert models.numerics(torch.device(device), autocast=False, policy=policy, width=width).autocast_dtype is None
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
+    models.cpu_has_native_bf16.cache_clear()
+    try:
+        real = Path.read_text
+        flags = {"amx_bf16": True, "avx512f avx512_vnni": False}
+        for line, native in flags.items():
+            monkeypatch.setattr(Path, "read_text", lambda self, *a, line=line, **k: f"flags\t\t: fpu {line} sse\n")
+            models.cpu_has_native_bf16.cache_clear()
+            assert models.cpu_has_native_bf16() is native
+        monkeypatch.setattr(Path, "read_text", real)
+    finally:
+        models.cpu_has_native_bf16.cache_clear()

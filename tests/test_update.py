@@ -6,8 +6,9 @@ import torch
 
 from atrctl import train as train_module
 from atrctl.config import load_recipe
+from atrctl.forward import completion_logprobs
 from atrctl.losses import POLICY_LOSSES, loss_parameters, policy_loss
-from atrctl.train import build_run, rollout_step, skips_zero_advantage, update_step
+from atrctl.train import build_run, recomputes_old_logprobs, rollout_step, skips_zero_advantage, update_step
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
         "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
@@ -136,3 +137,25 @@ def test_every_registered_loss_gives_a_zero_advantage_row_exactly_no_gradient(na
         )
         (grad,) = torch.autograd.grad(loss, logp)
         assert torch.equal(grad[0], torch.zeros(5)) and grad[1:].abs().sum() > 0, (name, agg)
+
+
+BF16_SAMPLER_GAP = 0.05  # max |Δ logprob| between the bf16 KV-cache decode and the bf16 training pass
+
+
+def test_a_bf16_update_on_cpu_recomputes_old_logprobs_and_agrees_with_its_sampler(results):
+    """Under bf16 autocast the sampler's logprobs are not the training pass's to float32 noise, so the old
+    logprobs are recomputed (the first optimiser step's ratio is exactly 1); they still agree within
+    BF16_SAMPLER_GAP, and within it of the float32 pass."""
+    run = build_run(recipe("model.autocast=bfloat16"), results / "unused", results)
+    assert run.numerics.autocast_dtype is torch.bfloat16 and next(run.model.parameters()).dtype is torch.float32
+    assert recomputes_old_logprobs(run.recipe.algo, run.sampler)
+    rollout = rollout_step(run, 0)[0]
+    temperature, mask = run.recipe.rollout.temperature, rollout.completion_mask.bool()
+    with torch.no_grad():
+        with run.numerics.autocast():
+            trained = completion_logprobs(run.model, rollout, temperature)
+        exact = completion_logprobs(run.model, rollout, temperature)
+    sampler_gap, bf16_gap = (rollout.logprobs - trained)[mask].abs(), (trained - exact)[mask].abs()
+    assert sampler_gap.max() < BF16_SAMPLER_GAP and 0 < bf16_gap.max() < BF16_SAMPLER_GAP  # bf16 did run
+    metrics, finite = update_step(run, rollout, ONE_GROUP_SOLVED, 0)
+    assert finite and metrics["ratio/min"] <= 1 <= metrics["ratio/max"]
