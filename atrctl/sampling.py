@@ -7,6 +7,7 @@ follows `atrctl.rollout`'s layout.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -164,6 +165,52 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
     return cache
 
 
+DECODE_ATTENTION = "atrctl-cpu-decode"
+
+
+@contextmanager
+def decode_attention(model: PreTrainedModel):
+    """On CPU, a model using sdpa attention decodes with `_cpu_decode_attention` (one query per row) while
+    in this block.  torch's CPU flash kernel is built for many queries: for one it took 1.2-1.7x the time
+    of two plain matrix products and a softmax (64-256-wide models, 40-300 keys), and decode attention is
+    about half of a tiny model's sampling.  Everything else, the prefill included, stays sdpa."""
+    config = model.config
+    if model.device.type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, _cpu_decode_attention)
+    if DECODE_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the masks sdpa gets
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+def _cpu_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention of one new token per row: softmax(q·kᵀ·scale + mask)·v, the query heads of a KV head
+    batched together (no copy of the keys per query head).  query [B, H, 1, D], key/value [B, H_kv, S, D],
+    attention_mask bool [B, 1, 1, S] (True = attend) or None; returns [B, 1, H, D] as transformers' attention
+    functions do.  Anything else goes to sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != 1 or kwargs.get("position_bias") is not None or module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    rows, heads, _, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = query.view(rows, kv_heads, heads // kv_heads, dim)  # query head h reads KV head h // groups
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scale  # [B, H_kv, groups, S]
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask[:, :, :, -keys:].bool(), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).view(rows, 1, heads, dim), None
+
+
 def sample(
     model: PreTrainedModel,
     prompt_ids: list[list[int]],
@@ -196,7 +243,7 @@ def sample(
     distinct, distinct_mask = left_pad(prompt_ids, pad_id, device)
     prompt, prompt_mask = (t.repeat_interleave(repeats, dim=0) for t in (distinct, distinct_mask))
     cache = preallocated_cache(model, capacity=prompt.shape[1] + max_new_tokens)
-    with torch.inference_mode():
+    with torch.inference_mode(), decode_attention(model):
         positions = position_ids(distinct_mask)
         logits = model(
             input_ids=distinct, attention_mask=distinct_mask, position_ids=positions, cache=cache, logits_to_keep=1

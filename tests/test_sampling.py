@@ -1,3 +1,4 @@
+import contextlib
 from contextlib import contextmanager
 
 import pytest
@@ -323,3 +324,27 @@ def test_a_model_that_ignores_the_cache_gets_the_single_pass(tokenizer, prompts,
     monkeypatch.setattr(type(model), "is_activation_checkpointing", property(lambda self: False))
     undetected, _ = logprobs_and_grad(model, rollout, weights)
     torch.testing.assert_close(undetected, plain, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_cpu_decode_attention_equals_sdpa(tokenizer, prompts, monkeypatch, kv_heads):
+    """The one-query attention used for decoding on CPU samples what sdpa samples (grouped KV heads, padded rows)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from atrctl import sampling
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), num_key_value_heads=kv_heads, pad_token_id=tokenizer.pad_token_id, **shape
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    calls = []
+    decode = sampling._cpu_decode_attention
+    monkeypatch.setattr(sampling, "_cpu_decode_attention", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    ours = run(model, tokenizer, prompts, repeats=2, max_new_tokens=10)
+    assert calls and model.config._attn_implementation == "sdpa"  # it ran, and the model is as it was
+    monkeypatch.setattr(sampling, "decode_attention", lambda model: contextlib.nullcontext())
+    theirs = run(model, tokenizer, prompts, repeats=2, max_new_tokens=10)
+    assert torch.equal(ours.completion_ids, theirs.completion_ids)
+    torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-6, rtol=0)
