@@ -65,13 +65,15 @@ def selective_log_softmax(
     projected, `CHUNK_BYTES` of logits at a time, each chunk under activation checkpointing: autograd keeps
     the [tokens, H] states and recomputes a chunk's logits in the backward pass (one more pass of the
     output projection, ~1/6 of a small model's FLOPs), so the peak holds one chunk's [tokens, vocab]
-    tensors instead of the micro-batch's.  Same arithmetic as the full log_softmax, row by row.
+    tensors instead of the micro-batch's.  When one chunk holds every token it is not checkpointed: the
+    logits are as small as they get.  Same arithmetic as the full log_softmax, row by row.
     """
     picked = mask.bool()
     flat_states, flat_targets = states[picked], targets[picked]  # [N, H], [N]
     vocab = getattr(head, "out_features", states.shape[-1])
     per_chunk = max(1, CHUNK_BYTES // (4 * vocab))
-    track = torch.is_grad_enabled() and flat_states.requires_grad
+    # one chunk holds every token (a small vocabulary): nothing to gain from recomputing it in the backward
+    track = torch.is_grad_enabled() and flat_states.requires_grad and len(flat_targets) > per_chunk
     pieces = []
     for start in range(0, len(flat_targets), per_chunk):
         chunk = (flat_states[start : start + per_chunk], flat_targets[start : start + per_chunk])

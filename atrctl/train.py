@@ -426,7 +426,7 @@ def update_step(
     """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
     algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch(run.device)
     minibatches = parts(advantages.shape[0], algo.minibatches)  # row slices of whole groups
-    trained = [_trained_rows(algo, advantages, part) for part in minibatches]  # row indices each one trains on
+    trained = [trained_rows(algo, advantages, part) for part in minibatches]  # row indices each one trains on
     on_policy = is_on_policy(algo)
     old_logp = ref_logp = None
     with clock("logprobs"), torch.no_grad(), run.numerics.autocast():
@@ -461,7 +461,7 @@ def skips_zero_advantage(algo: AlgoConfig) -> bool:
     return algo.skip_zero_advantage and not needed
 
 
-def _trained_rows(algo: AlgoConfig, advantages: torch.Tensor, part: slice) -> torch.Tensor:
+def trained_rows(algo: AlgoConfig, advantages: torch.Tensor, part: slice) -> torch.Tensor:
     """Indices of the mini-batch's rows that go through the forward/backward pass."""
     where = torch.arange(part.start, part.stop, device=advantages.device)
     return where[advantages[part] != 0] if skips_zero_advantage(algo) else where

@@ -41,7 +41,7 @@ def autocast(on: bool):
 
 def draw(model, prompts, group: int, tokens: int, bf16: bool, seed: int = 0):
     vocab = model.config.vocab_size
-    with autocast(bf16), torch.inference_mode():
+    with autocast(bf16):  # sample() runs under inference_mode itself; what it returns can enter a graph
         return sample(
             model,
             prompts,
@@ -78,9 +78,9 @@ def measure(name: str, args: argparse.Namespace) -> str:
     prompts = torch.randint(1, model.config.vocab_size, (args.prompts, args.prompt_tokens), generator=g).tolist()
     rollout = draw(model, prompts, args.group, args.tokens, bf16=True)
     with torch.no_grad():
-        trained_bf16 = completion_logprobs_and_entropy(model, rollout)[0]
-        with autocast(False):
-            trained_fp32 = completion_logprobs_and_entropy(model, rollout)[0]
+        with autocast(True):
+            trained_bf16 = completion_logprobs_and_entropy(model, rollout)[0]
+        trained_fp32 = completion_logprobs_and_entropy(model, rollout)[0]
     mask = rollout.completion_mask.bool()
     sampler_gap = (rollout.logprobs - trained_bf16)[mask].abs()
     dtype_gap = (trained_bf16 - trained_fp32)[mask].abs()

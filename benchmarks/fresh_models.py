@@ -14,6 +14,9 @@ import torch
 from atrctl.models import build_char_tokenizer, build_model
 
 QWEN_HALF_B_SHAPE = "qwen2.5-0.5b-shape"
+EVERY_ROW = "algo.skip_zero_advantage=false"
+"""A fresh model earns (almost) no reward, so every group has one reward and the update would skip every
+row: benchmarks of the update's speed train on every row, as a learning run's groups with variance do."""
 
 
 def qwen_half_b_shape(tokenizer):

@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from fresh_models import save_model  # benchmarks/ is on sys.path when run as a script
+from fresh_models import EVERY_ROW, save_model  # benchmarks/ is on sys.path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
 from atrctl.checkpoint import TrainState
@@ -37,7 +37,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         recipe = load_recipe(
-            "recipes/default.toml", [f"model.base={save_model(args.preset, scratch)}", "model.device=cpu", *args.set]
+            "recipes/default.toml",
+            [f"model.base={save_model(args.preset, scratch)}", "model.device=cpu", EVERY_ROW, *args.set],
         )
         run = build_run(recipe, scratch / "run", scratch)
         for step in range(3):

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from fresh_models import save_model  # benchmarks/ is on sys.path when run as a script
+from fresh_models import EVERY_ROW, save_model  # benchmarks/ is on sys.path when run as a script
 
 from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
@@ -31,7 +31,8 @@ def measure(model_dir: Path, scratch: Path, steps: int, warmup: int) -> tuple[li
     """Paired on/off step-time ratios, and the model's parameter count."""
     runs = {}
     for setting in SETTINGS:
-        sets = [f"model.base={model_dir}", "model.device=cpu", f"run.rollback={'true' if setting == 'on' else 'false'}"]
+        rollback = f"run.rollback={'true' if setting == 'on' else 'false'}"
+        sets = [f"model.base={model_dir}", "model.device=cpu", EVERY_ROW, rollback]
         runs[setting] = build_run(load_recipe("recipes/default.toml", sets), scratch / f"{setting}", scratch)
     times: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
     for step in range(warmup + steps):

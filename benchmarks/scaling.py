@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from fresh_models import QWEN_HALF_B_SHAPE, save_model  # benchmarks/ is on sys.path when run as a script
+from fresh_models import EVERY_ROW, QWEN_HALF_B_SHAPE, save_model  # benchmarks/ is on sys.path when run as a script
 
 from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
@@ -68,6 +68,7 @@ def measure(
         [
             f"model.base={model_dir}",
             f"model.device={device}",
+            EVERY_ROW,
             f"rollout.prompts={prompts}",
             f"rollout.group_size={group}",
             f"rollout.max_new_tokens={length}",
@@ -132,17 +133,20 @@ def gpu_section(args: argparse.Namespace, scratch: Path) -> None:
         f"\nGPU: {name}, bf16 autocast, {args.gpu_prompts} prompts x {args.gpu_group}, "
         f"max_new_tokens {args.gpu_length}, {args.minibatches} mini-batches"
     )
-    print("| model | parameters | step s | tokens/s | sampling share | model TFLOP/s | MFU |")
-    print("|---|---|---|---|---|---|---|")
-    for model in ("medium", QWEN_HALF_B_SHAPE):
+    print("| model | parameters | step s | tokens/s | sampling share | model TFLOP/s | MFU | peak GPU memory |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model in args.gpu_models:
         model_dir = save_model(model, scratch)
+        torch.cuda.reset_peak_memory_stats()
         cell = measure(
             model_dir, scratch, "cuda", args.gpu_prompts, args.gpu_group, args.gpu_length, args.steps, args.minibatches
         )
         mfu = f"{cell['flops'] / (peak * 1e12):.1%}" if peak else "n/a (give --peak-tflops)"
         print(
             f"| {model} | {cell['parameters'] / 1e6:.1f}M | {cell['step_s']:.3f} | {cell['tokens_per_s']:.0f} | "
-            f"{cell['rollout_share']:.0%} | {cell['flops'] / 1e12:.1f} | {mfu} |"
+            f"{cell['rollout_share']:.0%} | {cell['flops'] / 1e12:.1f} | {mfu} | "
+            f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB |",
+            flush=True,
         )
 
 
@@ -157,6 +161,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gpu", action="store_true", help="run the GPU section (default: when CUDA is present)")
     parser.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=True, help="run the CPU grid")
+    parser.add_argument("--gpu-models", nargs="+", default=["tiny", "medium", QWEN_HALF_B_SHAPE])
     parser.add_argument("--gpu-prompts", type=int, default=64)
     parser.add_argument("--gpu-group", type=int, default=8)
     parser.add_argument("--gpu-length", type=int, default=256)

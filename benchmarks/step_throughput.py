@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from fresh_models import save_model  # benchmarks/ is on sys.path when run as a script
+from fresh_models import EVERY_ROW, save_model  # benchmarks/ is on sys.path when run as a script
 
 from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
@@ -35,7 +35,13 @@ def measure(model_dir: Path, scratch: Path, steps: int, warmup: int) -> dict[str
     for loss in LOSSES:
         recipe = load_recipe(
             "recipes/default.toml",
-            [f"model.base={model_dir}", f"algo.loss={loss}", "model.device=cpu", f"run.steps={warmup + steps}"],
+            [
+                f"model.base={model_dir}",
+                f"algo.loss={loss}",
+                "model.device=cpu",
+                EVERY_ROW,
+                f"run.steps={warmup + steps}",
+            ],
         )
         runs[loss] = build_run(recipe, scratch / f"{model_dir.name}-{loss}", scratch)
     records = {loss: [] for loss in runs}

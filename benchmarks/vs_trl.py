@@ -11,7 +11,9 @@ One "step" is one rollout batch and its optimiser steps (`minibatches × μ` of 
 The algorithm is the same; the work is not quite: in float32 atrctl takes the ratio's denominator
 from the sampler's logprobs (`algo.old_logprobs = auto`) where TRL, with several optimiser steps
 per generation, runs an extra forward pass for it, and atrctl runs a group's shared prompt once.
-Both are part of what is measured; the breakdown shows each phase.  TRL's phases come from its own
+Both are part of what is measured; the breakdown shows each phase.  atrctl's skipping of rows with
+advantage 0 is off unless --skip-zero-advantage: the fresh models here earn (almost) no reward, so it
+would skip the whole update, which says nothing about the engines.  TRL's phases come from its own
 timers: its "reward" leaves out decoding the completions, which atrctl's includes.
 TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 
@@ -51,6 +53,7 @@ def recipe_for(args: argparse.Namespace):
             f"algo.minibatches={args.minibatches}",
             f"algo.num_iterations={args.num_iterations}",
             f"run.steps={args.warmup + args.steps}",
+            f"algo.skip_zero_advantage={str(args.skip_zero_advantage).lower()}",
         ],
     )
 
@@ -186,9 +189,9 @@ def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Pa
         "--scratch",
         str(scratch),
         *[
-            f"--{k.replace('_', '-')}={v}"
+            f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
             for k, v in vars(args).items()
-            if k not in {"worker", "model_dir", "scratch", "pairs", "threads", "preset"}
+            if k not in {"worker", "model_dir", "scratch", "pairs", "threads", "preset"} and v is not False
         ],
     ]
     env = {
@@ -269,6 +272,12 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--skip-zero-advantage",
+        action="store_true",
+        help="let atrctl skip rows with advantage 0 (off: a fresh model earns no reward, so every row would be "
+        "skipped and the comparison would be of no work against TRL's)",
+    )
     parser.add_argument("--worker", choices=["atrctl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)

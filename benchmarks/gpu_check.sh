@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One prepared GPU check (about 5 minutes on one H100/H200): step time, tokens/s, MFU and peak GPU memory of
+# the default recipe on the tiny, medium and Qwen2.5-0.5B-shaped models (bf16 autocast, 64 prompts x 8,
+# 256 new tokens, EOS suppressed), then the CUDA tests.  Run from anywhere; prints everything to stdout.
+#
+# The machine needs a CUDA torch.  Anything else atrctl needs that is missing there travels as wheels in
+# .whl/ (built here with `pip download --no-deps --only-binary=:all: ... -d .whl NAME==VERSION`, at least
+# transformers 5.24 for the `cache=` argument); they are installed into /tmp/site first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+python3 - <<'PY'
+import torch, transformers
+assert torch.cuda.is_available(), "no CUDA device: this check is for a GPU machine"
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
+PY
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+timeout 420 python3 benchmarks/scaling.py --no-cpu --gpu --steps 2
+timeout 120 python3 -m pytest -q -m gpu tests || true
