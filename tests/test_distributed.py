@@ -195,8 +195,11 @@ def test_two_processes_match_one_and_only_rank_zero_writes(results, single):
     alone = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3]  # one writer, not one per rank
     for ours, theirs in zip(logged, alone, strict=True):  # metrics reduced over ranks = the global figures
-        for key in ("reward/mean", "reward/std", "frac_zero_std", "len/mean", "ratio/min", "ratio/max", "entropy"):
+        for key in ("reward/mean", "reward/std", "frac_zero_std", "len/mean", "entropy"):
             assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
+        for key in ("ratio/min", "ratio/max"):  # exp of one token's log-ratio: its logprob's float noise (the
+            # ranks project other sets of tokens to the vocabulary) shows relative to the ratio; seen 2.5e-5
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4), key
     assert done.stdout.count("done:") == 1  # only rank 0 reports
 
 
