@@ -119,9 +119,14 @@ def _head_is_linear(model: PreTrainedModel) -> bool:
         matches = isinstance(head, torch.nn.Linear) and decoder is not None and decoder is not model
         if matches:
             ids = torch.arange(3, device=head.weight.device)[None] % head.out_features
-            with torch.no_grad():
-                full = model(input_ids=ids).logits
-                split = head(decoder(input_ids=ids).last_hidden_state)
+            training = model.training
+            model.eval()  # no dropout: the two passes must be the same function
+            try:
+                with torch.no_grad():
+                    full = model(input_ids=ids).logits
+                    split = head(decoder(input_ids=ids).last_hidden_state)
+            finally:
+                model.train(training)
             matches = full.shape == split.shape and torch.equal(full, split)
         _LINEAR_HEAD[model] = matches
     return _LINEAR_HEAD[model]
