@@ -69,7 +69,9 @@ def selective_log_softmax(
     logits are as small as they get.  Same arithmetic as the full log_softmax, row by row.
     """
     picked = mask.bool()
-    flat_states, flat_targets = states[picked], targets[picked]  # [N, H], [N]
+    where = picked.flatten().nonzero().squeeze(1)  # index_select: its backward is ~3x faster than boolean indexing's
+    flat_states = states.flatten(0, 1).index_select(0, where)  # [N, H]
+    flat_targets = targets.flatten().index_select(0, where)  # [N]
     vocab = getattr(head, "out_features", states.shape[-1])
     per_chunk = max(1, CHUNK_BYTES // (4 * vocab))
     # one chunk holds every token (a small vocabulary): nothing to gain from recomputing it in the backward
@@ -173,8 +175,8 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool) -> torch.Te
         )
     )[:, -1]
     owner = torch.repeat_interleave(torch.arange(len(counts), device=prompt.device), counts)
-    cache.batch_select_indices(owner)
-    outputs = [head[owner][:, None]]  # the prompt's last position predicts the first completion token
+    _select_rows(cache, owner)
+    outputs = [head.index_select(0, owner)[:, None]]  # the prompt's last position predicts the first token
     if completion.shape[1] > 1:  # completion token t predicts t + 1; the last one predicts nothing
         end = width + completion.shape[1] - 1
         outputs.append(
@@ -190,6 +192,18 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool) -> torch.Te
         if cache.get_seq_length() != end:  # the model ignored the cache (e.g. checkpointing we did not detect)
             return single_pass()
     return torch.cat(outputs, dim=1)
+
+
+def _select_rows(cache, rows: torch.Tensor) -> None:
+    """The cache's keys and values at `rows` (a prompt's for each of its completions).  `index_select` where
+    the layers keep plain tensors: the backward of the advanced indexing `batch_select_indices` uses is an
+    accumulating index_put, 5-7x slower on CPU for the repeated rows of a group."""
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor):
+            layer.keys, layer.values = keys.index_select(0, rows), values.index_select(0, rows)
+        else:
+            layer.batch_select_indices(rows)
 
 
 def _runs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
