@@ -527,7 +527,8 @@ def _optimiser_step(
         run.optimizer.zero_grad(set_to_none=True)
         return None
     run.optimizer.step()
-    skipped = distributed.all_sum(torch.tensor([part.stop - part.start - len(trained), part.stop - part.start]))
+    rows_here = part.stop - part.start
+    skipped = distributed.all_sum(torch.tensor([rows_here - len(trained), rows_here], device=run.device))
     keys = list(micro[0][0]) if micro else _metric_names(run.recipe)  # the same on every rank
     measured = reduce_step_metrics(micro, keys, run.device)
     return {**measured, "rows/skipped": (skipped[0] / skipped[1]).item(), "grad_norm": grad_norm}
