@@ -136,7 +136,7 @@ class AlgoConfig:
     """Most completions per forward/backward: gradients accumulate over micro-batches, weighted so that the
     optimiser step is the same as without them, for every aggregation.  0 = as many as 4 GiB of activations
     hold at the mini-batch's longest row (`models.sized_micro_batch`): a whole mini-batch of the tiny presets,
-    6 rows of SmolLM2-135M at 320 tokens."""
+    5 rows of SmolLM2-135M at 320 tokens."""
     skip_zero_advantage: bool = True
     """Leave out of the forward/backward the rows whose advantage is exactly 0 (every completion of a group
     with one reward): they carry no policy-loss gradient.  Only where no other term needs them (beta = 0,
@@ -183,7 +183,7 @@ class EvalConfig:
     """Seed of the held-out problems and their samples: shared by runs so they are comparable."""
     batch: int = 0
     """Completions sampled at once in held-out checks and compare's evaluation; 0 sizes it from the model:
-    as many as a quarter of the free memory holds in KV cache (models.sized_batch), at most 1024."""
+    as many as a fixed 2 GiB of KV cache holds at the longest prompt (models.sized_batch), at most 1024."""
 
 
 @dataclass

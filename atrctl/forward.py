@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def completion_logprobs(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits.float() / temperature) at each completion token, from one full forward pass.
+    """log_softmax(logits.float() / temperature) at each completion token, from the training forward pass.
 
     This is the training-side twin of `sample`'s logprobs (same padding, positions and numerics);
     it keeps the graph, so call it under torch.no_grad() when no gradient is wanted. [B, T] float32,

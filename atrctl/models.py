@@ -290,12 +290,10 @@ def activation_bytes_per_token(model: torch.nn.Module, tokens_per_row: int) -> i
     return 4 * layers * layer
 
 
-def sized_micro_batch(model: torch.nn.Module, tokens_per_row: int, requested: int = 0) -> int:
-    """Rows per forward/backward: `requested` if > 0, else as many as UPDATE_BUDGET of activations holds at
-    `tokens_per_row` (at least 1).  SmolLM2-135M at 320 tokens: 6 rows; the tiny presets: whole mini-batches.
-    A constant budget (not the free memory) keeps a run's arithmetic a function of its recipe."""
-    if requested > 0:
-        return requested
+def sized_micro_batch(model: torch.nn.Module, tokens_per_row: int) -> int:
+    """Rows per forward/backward where algo.micro_batch is 0: as many as UPDATE_BUDGET of activations holds
+    at `tokens_per_row` (at least 1).  SmolLM2-135M at 320 tokens: 5 rows; the tiny presets: whole
+    mini-batches.  A constant budget (not the free memory) keeps a run's arithmetic a function of its recipe."""
     return max(1, UPDATE_BUDGET // max(1, activation_bytes_per_token(model, tokens_per_row) * tokens_per_row))
 
 

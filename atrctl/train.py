@@ -426,24 +426,25 @@ def update_step(
     """μ passes of `minibatches` optimiser steps over one rollout; (metrics, whether every step was finite)."""
     algo, cfg, clock = run.recipe.algo, run.recipe, clock or Stopwatch(run.device)
     minibatches = parts(advantages.shape[0], algo.minibatches)  # row slices of whole groups
-    trained = [trained_rows(algo, advantages, part) for part in minibatches]  # row indices each one trains on
+    # each mini-batch's rows to train on, cut into micro-batches once for every pass over it
+    pieces = [cut_micro_batches(run.model, rollout, trained_rows(algo, advantages, part), algo) for part in minibatches]
     on_policy = is_on_policy(algo)
     old_logp = ref_logp = None
     with clock("logprobs"), torch.no_grad(), run.numerics.autocast():
         if recomputes_old_logprobs(algo, run.sampler):
-            old_logp = _logprobs(run.model, rollout, trained, algo.micro_batch, cfg.rollout.temperature)
+            old_logp = _logprobs(run.model, rollout, pieces, cfg.rollout.temperature)
         elif not on_policy:
             old_logp = rollout.logprobs  # [rows, T], the backend's own (it says they match)
         if run.reference is not None:
-            ref_logp = _logprobs(run.reference, rollout, trained, algo.micro_batch, cfg.rollout.temperature)
+            ref_logp = _logprobs(run.reference, rollout, pieces, cfg.rollout.temperature)
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.run.steps)
 
     collected, finite = [], True
     with clock("update"):
         for _ in range(algo.num_iterations):
-            for part, rows_trained in zip(minibatches, trained, strict=True):
-                metrics = _optimiser_step(run, rollout, advantages, part, rows_trained, old_logp, ref_logp, on_policy)
+            for part, micro in zip(minibatches, pieces, strict=True):
+                metrics = _optimiser_step(run, rollout, advantages, part, micro, old_logp, ref_logp, on_policy)
                 if metrics is None:
                     finite = False
                 else:
@@ -472,13 +473,13 @@ def _optimiser_step(
     rollout: Rollout,
     advantages: torch.Tensor,
     part: slice,
-    trained: torch.Tensor,
+    pieces: list[torch.Tensor],
     old_logp,
     ref_logp,
     on_policy: bool,
 ) -> dict[str, float] | None:
-    """Accumulate one mini-batch's gradient over micro-batches (of its `trained` rows) and ranks, then step;
-    None if skipped.
+    """Accumulate one mini-batch's gradient over its micro-batches (`pieces`: row indices of the rows it
+    trains on) and ranks, then step; None if skipped.
 
     Each micro-batch's loss is weighted by its normaliser over the whole mini-batch's (summed over ranks,
     skipped rows included), so the summed gradient equals the single-process, whole-mini-batch gradient
@@ -489,7 +490,7 @@ def _optimiser_step(
     total = distributed.all_sum(aggregation_normaliser(rollout.completion_mask[part], algo.agg).double()).clamp(min=1)
     run.optimizer.zero_grad(set_to_none=True)
     micro, finite = [], True
-    for where in micro_batches(trained, _micro_batch(run.model, rollout, trained, algo.micro_batch)):
+    for where in pieces:
         sub = trimmed(rows(rollout, where))  # the micro-batch: every [rows, ...] tensor indexed by `where`
         width = sub.completion_ids.shape[1]
         with run.numerics.autocast():  # logp, entropy: [micro rows, width] float32
@@ -528,28 +529,29 @@ def _optimiser_step(
         return None
     run.optimizer.step()
     rows_here = part.stop - part.start
-    skipped = distributed.all_sum(torch.tensor([rows_here - len(trained), rows_here], device=run.device))
+    trained = sum(len(where) for where in pieces)
+    skipped = distributed.all_sum(torch.tensor([rows_here - trained, rows_here], device=run.device))
     keys = list(micro[0][0]) if micro else _metric_names(run.recipe)  # the same on every rank
     measured = reduce_step_metrics(micro, keys, run.device)
     return {**measured, "rows/skipped": (skipped[0] / skipped[1]).item(), "grad_norm": grad_norm}
 
 
-def _micro_batch(model: torch.nn.Module, rollout: Rollout, trained: torch.Tensor, requested: int) -> int:
-    """`algo.micro_batch`, or for 0 as many rows as the activation budget holds at the longest of these rows
-    (`models.sized_micro_batch`)."""
-    if requested or len(trained) == 0:
-        return requested
-    longest = trimmed(rows(rollout, trained))
-    return sized_micro_batch(model, longest.prompt_ids.shape[1] + longest.completion_ids.shape[1])
+def cut_micro_batches(model: torch.nn.Module, rollout: Rollout, trained: torch.Tensor, algo: AlgoConfig):
+    """`trained` (row indices) in micro-batches of `algo.micro_batch` rows, or for 0 of as many as the
+    activation budget holds at the longest of these rows (`models.sized_micro_batch`)."""
+    size = algo.micro_batch
+    if not size and len(trained):
+        longest = trimmed(rows(rollout, trained))
+        size = sized_micro_batch(model, longest.prompt_ids.shape[1] + longest.completion_ids.shape[1])
+    return micro_batches(trained, size)
 
 
 def _logprobs(
-    model: torch.nn.Module, rollout: Rollout, trained: list[torch.Tensor], micro_batch: int, temperature: float
+    model: torch.nn.Module, rollout: Rollout, pieces: list[list[torch.Tensor]], temperature: float
 ) -> torch.Tensor:
     """No-grad logprobs [rows, T] of the rows the update trains on, in its micro-batches; 0 elsewhere."""
     out = torch.zeros_like(rollout.logprobs)
-    pieces = (micro_batches(part, _micro_batch(model, rollout, part, micro_batch)) for part in trained)
-    for where in (piece for part_pieces in pieces for piece in part_pieces):
+    for where in (where for micro in pieces for where in micro):
         logp = completion_logprobs(model, trimmed(rows(rollout, where)), temperature)
         out[where, : logp.shape[1]] = logp
     return out

@@ -3,9 +3,9 @@
 Not a test.  A random model of SmolLM2-135M's shape (49k vocabulary), one fixed batch of `prompts` × G
 rows, every completion `tokens` long; the first `zero` groups get advantage 0, the rest a spread one.  The
 update's forward + backward runs over the rows `train.trained_rows` keeps (all of them with skipping off),
-in the micro-batches `algo.micro_batch = 0` sizes, as `train._optimiser_step` runs them; AdamW's step, the
-same either way, is left out.  Skipping on and off alternate in pairs; reported: median seconds of each and
-their ratio (off / on), median [min, max] over pairs.
+in the micro-batches `train.cut_micro_batches` makes of them (algo.micro_batch = 0), as the update runs
+them; AdamW's step, the same either way, is left out.  Skipping on and off alternate in pairs; reported:
+median seconds of each and their ratio (off / on), median [min, max] over pairs.
 
     python benchmarks/skip_rows.py
     python benchmarks/skip_rows.py --shape qwen2.5-0.5b --pairs 3
@@ -20,11 +20,11 @@ import time
 import torch
 from cpu_bf16 import draw, shape_model  # benchmarks/ is on sys.path
 
-from atrctl.batching import micro_batches, rows, trimmed
+from atrctl.batching import rows, trimmed
 from atrctl.config import AlgoConfig
 from atrctl.forward import completion_logprobs_and_entropy
-from atrctl.models import set_cpu_threads, sized_micro_batch
-from atrctl.train import trained_rows
+from atrctl.models import set_cpu_threads
+from atrctl.train import cut_micro_batches, trained_rows
 
 
 def update_seconds(model, rollout, advantages, skip: bool) -> float:
@@ -32,8 +32,7 @@ def update_seconds(model, rollout, advantages, skip: bool) -> float:
     model.zero_grad(set_to_none=True)
     started = time.perf_counter()
     trained = trained_rows(algo, advantages, slice(0, len(advantages)))
-    width = rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1]
-    for where in micro_batches(trained, sized_micro_batch(model, width)):
+    for where in cut_micro_batches(model, rollout, trained, algo):
         sub = trimmed(rows(rollout, where))
         logp, _ = completion_logprobs_and_entropy(model, sub, 1.0, entropy_grad=False)
         (logp * advantages[where, None]).sum().div(rollout.completion_mask.sum()).backward()
