@@ -63,20 +63,16 @@ def forward_flops(config, tokens: int, keys: float) -> float:
     return 2 * tokens * (matmul + attention)
 
 
-def rss_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
-
-
 def worker(shape: str, repeats: int) -> dict:
     import torch
     from cpu_bf16 import draw, shape_model  # benchmarks/ is on sys.path
+    from update_memory import rss_mib
 
-    from atrctl.batching import micro_batches, rows
+    from atrctl.batching import rows
+    from atrctl.config import AlgoConfig
     from atrctl.forward import completion_logprobs_and_entropy
-    from atrctl.models import set_cpu_threads, sized_micro_batch
+    from atrctl.models import set_cpu_threads
+    from atrctl.train import cut_micro_batches
 
     threads = set_cpu_threads()
     peak = matmul_peak_gflops()
@@ -84,20 +80,19 @@ def worker(shape: str, repeats: int) -> dict:
     prompts, group, prompt_tokens, tokens = SIZES[shape]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, model.config.vocab_size, (prompts, prompt_tokens), generator=g).tolist()
-    width = prompt_tokens + tokens
-    micro = sized_micro_batch(model, width)
 
     def rollout():
         return draw(model, ids, group, tokens, bf16=False)
 
     def update(batch):
         model.zero_grad(set_to_none=True)
-        for where in micro_batches(torch.arange(prompts * group), micro):
+        for where in pieces:
             sub = rows(batch, where)
             logp, _ = completion_logprobs_and_entropy(model, sub, 1.0, entropy_grad=False)
             (logp.sum() / batch.completion_mask.sum()).backward()
 
     batch = rollout()
+    pieces = cut_micro_batches(model, batch, torch.arange(prompts * group), AlgoConfig())  # as the update cuts
     update(batch)  # the unmeasured round
     Path("/proc/self/clear_refs").write_text("5")
     sample_s = statistics.median(_seconds(rollout) for _ in range(repeats))
@@ -119,7 +114,7 @@ def worker(shape: str, repeats: int) -> dict:
         "peak_gflops": peak,
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "rows": rows_total,
-        "micro_batch": min(micro, rows_total),
+        "micro_batch": len(pieces[0]),
         "sample_tokens_per_s": new / sample_s,
         "sample_gflops": (prefill + decode) / sample_s / 1e9,
         "update_tokens_per_s": new / update_s,
