@@ -15,7 +15,6 @@ only displays.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import json
 import os
@@ -28,51 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atrctl import atomic
+from atrctl.arms import Arm, arm_recipe, check_distinct, parse_arms
 from atrctl.config import Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
-from atrctl.losses import POLICY_LOSSES
 from atrctl.rundir import RunDir, check_name, drop_aside, exclusive, move_aside, recover
 
 # advance(key, description, done, total, note): one progress line per key, made on its first call
 Progress = Callable[[str, str, int, int, str], None]
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One side of the comparison: a registered loss trained here, or an existing run directory."""
-
-    label: str
-    loss: str | None = None  # trained here with this loss
-    run_dir: Path | None = None  # or an existing run, used as it is (one seed)
-
-
-def parse_arms(names: Sequence[str]) -> list[Arm]:
-    """Loss names become trained arms; an existing run directory (with model/) is taken as it is."""
-    if len(names) < 2:
-        raise UserError("compare needs at least two arms, e.g. `atrctl compare grpo atr`")
-    arms = []
-    for name in names:
-        path = Path(name)
-        if name in POLICY_LOSSES:
-            arms.append(Arm(label=name, loss=name))
-        elif RunDir(path).is_run and RunDir(path).finished:
-            arms.append(Arm(label=path.name, run_dir=path))
-        else:
-            raise UserError(
-                f"unknown arm '{name}': give a loss ({', '.join(POLICY_LOSSES)}) "
-                "or a finished run directory such as results/<run>"
-            )
-    labels = [arm.label for arm in arms]
-    if len(set(labels)) != len(labels):
-        raise UserError(f"arms must differ; got {', '.join(labels)}")
-    return arms
-
-
-def arm_recipe(recipe: Recipe, arm: Arm, base: str, loss_args: dict[str, dict]) -> Recipe:
-    """The shared recipe with only the algorithm changed, starting from the shared base directory."""
-    algo = dataclasses.replace(recipe.algo, loss=arm.loss, args=dict(loss_args.get(arm.loss, {})))
-    model = dataclasses.replace(recipe.model, base=base)
-    return dataclasses.replace(recipe, algo=algo, model=model)
 
 
 # ------------------------------------------------------------------ training jobs
@@ -99,7 +60,7 @@ def training_jobs(arms: Sequence[Arm], seeds: int, recipes: dict[str, Path], run
         for arm in arms:
             if arm.loss is None:
                 continue
-            directory = runs / f"{arm.label}-s{seed}"
+            directory = runs / f"{arm.slug}-s{seed}"
             base = [sys.executable, "-m", "atrctl", "train"]
             if RunDir(directory).checkpoint.is_dir():
                 command = [*base, "--resume", str(directory)]
@@ -107,7 +68,7 @@ def training_jobs(arms: Sequence[Arm], seeds: int, recipes: dict[str, Path], run
                 command = [
                     *base,
                     "--recipe",
-                    str(recipes[arm.label]),
+                    str(recipes[arm.slug]),
                     "--seed",
                     str(seed),
                     "--name",
@@ -238,10 +199,10 @@ def write_arm_recipes(comparison: Comparison, base: str) -> dict[str, Path]:
     for arm in comparison.arms:
         if arm.loss is None:
             continue
-        path = comparison.directory / "recipes" / f"{arm.label}.toml"
+        path = comparison.directory / "recipes" / f"{arm.slug}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(path, to_toml(recipe_to_dict(arm_recipe(comparison.recipe, arm, base, comparison.loss_args))))
-        paths[arm.label] = path
+        paths[arm.slug] = path
     return paths
 
 
@@ -249,7 +210,7 @@ def arm_runs(comparison: Comparison) -> dict[str, list[Path]]:
     """Each arm's run directories, seed by seed."""
     runs = comparison.directory / "runs"
     return {
-        arm.label: [arm.run_dir] if arm.run_dir else [runs / f"{arm.label}-s{s}" for s in range(comparison.seeds)]
+        arm.label: [arm.run_dir] if arm.run_dir else [runs / f"{arm.slug}-s{s}" for s in range(comparison.seeds)]
         for arm in comparison.arms
     }
 
@@ -342,18 +303,26 @@ def plan_comparison(
     for value, flag in ((seeds, "--seeds"), (n, "--n"), (problems, "--problems"), (jobs, "--jobs")):
         if value < 1:
             raise UserError(f"{flag} must be at least 1 (got {value})")
+    if len(arm_names) < 2:
+        raise UserError("compare needs at least two arms, e.g. `atrctl compare grpo atr`")
     arms = parse_arms(arm_names)
     from atrctl.tasks import get_task
 
     held_out = get_task(recipe.task.name, **recipe.task.args).problems("test", problems, recipe.eval.seed)  # enough?
     check_samples_fit(len(held_out), n)
     loss_args = trust_region_args(max_kl3, eps, eps_high)
+    trained = {}
     for arm in arms:
         if arm.loss is not None:
-            validate_algo(arm_recipe(recipe, arm, recipe.model.base, loss_args))
+            trained[arm.label] = arm_recipe(recipe, arm, recipe.model.base, loss_args)
+            try:
+                validate_algo(trained[arm.label])
+            except UserError as error:
+                raise UserError(f"arm '{arm.label}': {error}") from None
         else:  # an existing run: its recipe must read and its task match, before anything trains
             arm_target(arm.run_dir, recipe)
-    label = check_name(name if name is not None else "-".join(a.label for a in arms))
+    check_distinct(trained)
+    label = check_name(name if name is not None else "-".join(a.slug for a in arms))
     return Comparison(results / f"compare-{label}", arms, seeds, recipe, loss_args, overwrite)
 
 
@@ -382,7 +351,6 @@ def run_comparison(
     from atrctl.compare_report import write_report
     from atrctl.config import recipe_to_dict, to_toml
     from atrctl.eval_report import write_eval
-    from atrctl.losses import loss_parameters
     from atrctl.models import resolve_device
     from atrctl.passk import default_ks
     from atrctl.rundir import environment
@@ -415,9 +383,7 @@ def run_comparison(
             for directory, result in zip(directories, evaluations[label], strict=True):
                 write_eval(result, ks, RunDir(directory).eval, f"{directory.name}: pass@k")
         seconds["total"] = time.perf_counter() - started
-        atr_default, grpo_default = loss_parameters("atr")["max_kl3"], loss_parameters("grpo")["eps"]
-        trains_atr = any(arm.loss == "atr" for arm in comparison.arms)
-        deltas = [float(comparison.loss_args.get("atr", {}).get("max_kl3", atr_default)) if trains_atr else atr_default]
+        deltas, eps = _drawn_regions(comparison)
         rows = write_report(
             comparison.directory,
             arm_runs(comparison),
@@ -427,10 +393,27 @@ def run_comparison(
             recipe_toml=to_toml(recipe_to_dict(comparison.recipe)),
             environment=environment(resolve_device(comparison.recipe.model.device)),
             deltas=deltas,
-            eps=float(comparison.loss_args.get("grpo", {}).get("eps", grpo_default)),
+            eps=eps,
             seconds=seconds,
         )
         return rows, ks
+
+
+def _drawn_regions(comparison: Comparison) -> tuple[list[float], float]:
+    """The trust regions the report's figure draws: every atr arm's δ and the first grpo arm's ε (the
+    defaults where no arm trains that loss)."""
+    from atrctl.losses import loss_parameters
+
+    def resolved(loss: str) -> list[dict]:
+        return [
+            {**loss_parameters(loss), **arm_recipe(comparison.recipe, arm, "", comparison.loss_args).algo.args}
+            for arm in comparison.arms
+            if arm.loss == loss
+        ]
+
+    deltas = sorted({float(args["max_kl3"]) for args in resolved("atr")}) or [loss_parameters("atr")["max_kl3"]]
+    eps = next((float(args["eps"]) for args in resolved("grpo")), loss_parameters("grpo")["eps"])
+    return deltas, eps
 
 
 def _train_arms(comparison: Comparison, jobs: int, results: Path, show: Progress, seconds: dict) -> None:

@@ -393,11 +393,15 @@ def parse_override(assignment: str) -> tuple[list[str], Any]:
     keys = path.strip().split(".")
     if not sep or len(keys) < 2 or not all(keys):
         raise UserError(f"--set {assignment!r}: write section.key=value, e.g. --set optim.lr=2e-4")
+    return keys, read_value(raw)
+
+
+def read_value(raw: str) -> Any:
+    """A value as TOML reads it (0.1, 2, true, "x"); a bare word such as cosine or cuda stays a string."""
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        return tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw.strip()  # a bare word such as cosine or cuda
-    return keys, value
+        return raw.strip()
 
 
 def _merge(base: dict[str, Any], keys: list[str], value: Any) -> None:
