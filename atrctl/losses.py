@@ -101,11 +101,41 @@ def clip_fractions(
     return fractions
 
 
+OLD_PROBABILITY_EDGES = (0.1, 0.5, 0.9)
+"""Where the bins of the mechanism metrics split the sampling policy's probability of a token, p_old."""
+OLD_PROBABILITY_BINS = ("p00-10", "p10-50", "p50-90", "p90-100")
+"""Metric-name suffixes of those bins: p_old < 0.1, [0.1, 0.5), [0.5, 0.9), >= 0.9."""
+
+
+def old_probability_bin(old_logp: Tensor) -> Tensor:
+    """Index into OLD_PROBABILITY_BINS of each token's p_old = exp(old_logp): [B, T] int64."""
+    edges = torch.tensor(OLD_PROBABILITY_EDGES, dtype=old_logp.dtype, device=old_logp.device)
+    return torch.bucketize(old_logp.exp(), edges, right=True)
+
+
+def binned_clip_fractions(tokens: Tokens, low: Bound, high: Bound) -> dict[str, Tensor]:
+    """clip/low and clip/high split by the token's p_old (`OLD_PROBABILITY_BINS`): the share of all masked
+    tokens that the clip removed and that lie in the bin, so each split sums to its clip/ fraction.  Where
+    the mass is clipped is what distinguishes the regions: KL3's lower bound is tighter than its upper one,
+    and a band's width follows p_old itself."""
+    count = tokens.mask.sum().clamp(min=1)
+    removed = {
+        "low": (tokens.ratio < low) & (tokens.advantages < 0) & tokens.mask,
+        "high": (tokens.ratio > high) & (tokens.advantages > 0) & tokens.mask,
+    }
+    bins = old_probability_bin(tokens.old_logp)
+    return {
+        f"clip/{side}/{name}": (where & (bins == index)).sum() / count
+        for side, where in removed.items()
+        for index, name in enumerate(OLD_PROBABILITY_BINS)
+    }
+
+
 def _ratio_clip(tokens: Tokens, low: Bound, high: Bound, dual_clip: float | None):
     adv = tokens.advantages
     return (
         clipped_surrogate(tokens.ratio, adv, low, high, dual_clip),
-        clip_fractions(tokens.ratio, adv, low, high, tokens.mask, dual_clip),
+        clip_fractions(tokens.ratio, adv, low, high, tokens.mask, dual_clip) | binned_clip_fractions(tokens, low, high),
     )
 
 
@@ -168,9 +198,8 @@ def _cispo(tokens: Tokens, *, eps_low: float = 1.0, eps_high: float = 0.28):
     eps_low, eps_high = _check_positive(eps_low, "eps_low"), _check_positive(eps_high, "eps_high")
     low, high = max(0.0, 1.0 - eps_low), 1.0 + eps_high
     weight = tokens.ratio.clamp(low, high).detach()
-    return -weight * tokens.advantages * tokens.logp, clip_fractions(
-        tokens.ratio, tokens.advantages, low, high, tokens.mask
-    )
+    clipped = clip_fractions(tokens.ratio, tokens.advantages, low, high, tokens.mask)
+    return -weight * tokens.advantages * tokens.logp, clipped | binned_clip_fractions(tokens, low, high)
 
 
 _cispo.objective = "weighted-logp"  # -sg(w)·A·logp: at w = 1 its value is -A·logp, not -A
@@ -451,5 +480,34 @@ def _metrics(tokens: Tokens, loss: Tensor, clip_metrics: dict[str, Tensor], extr
         "ratio/max": torch.where(any_token, torch.where(mask, ratio, 0.0).amax(), 1.0),
         **{name: value.sum() / count for name, value in extra.items()},
     }
+    values.update(_movement_by_bin(tokens, count))
     floats = torch.stack([value.float() for value in values.values()]).tolist()
     return dict(zip(values, floats, strict=True))
+
+
+def _movement_by_bin(tokens: Tokens, count: Tensor) -> dict[str, Tensor]:
+    """Per (sign of A, p_old bin) cell: `tokens/<sign>/<bin>`, the cell's share of the masked tokens, and
+    `dlogp/<sign>/<bin>`, the sum of ln w = logp - old_logp over the cell divided by all masked tokens.
+    Both are token-weighted means, so they combine over micro-batches like every other metric;
+    `finish_metrics` then divides the second by the first: the cell's mean change of log-probability."""
+    bins, cells = old_probability_bin(tokens.old_logp), {}
+    for sign, side in (("pos", tokens.advantages > 0), ("neg", tokens.advantages < 0)):
+        for index, name in enumerate(OLD_PROBABILITY_BINS):
+            where = side & (bins == index) & tokens.mask
+            cells[f"tokens/{sign}/{name}"] = where.sum() / count
+            cells[f"dlogp/{sign}/{name}"] = torch.where(where, tokens.log_ratio, 0.0).sum() / count
+    return cells
+
+
+def finish_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A step's combined metrics with each `dlogp/<cell>` turned into the cell's mean change of log-probability
+    (its share-weighted sum over its `tokens/<cell>` share); a cell with no tokens reports no dlogp."""
+    finished = {}
+    for key, value in metrics.items():
+        if key.startswith("dlogp/"):
+            share = metrics.get("tokens/" + key.removeprefix("dlogp/"), 0.0)
+            if share > 0:
+                finished[key] = value / share
+        else:
+            finished[key] = value
+    return finished

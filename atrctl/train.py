@@ -48,7 +48,7 @@ from atrctl.checkpoint import (
 from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
-from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, metric_reduction, policy_loss
+from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, metric_reduction, policy_loss
 from atrctl.models import Numerics, sized_micro_batch
 from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, prompt_style
 from atrctl.rollback import Snapshot
@@ -449,7 +449,7 @@ def update_step(
                     finite = False
                 else:
                     collected.append(metrics)
-    metrics = combine_metrics(collected) if collected else {}
+    metrics = finish_metrics(combine_metrics(collected)) if collected else {}
     metrics["lr"] = run.optimizer.param_groups[0]["lr"]
     return metrics, finite
 

@@ -7,9 +7,23 @@ import torch
 
 from atrctl.bands import kl_band_bounds, tv_band_bounds
 from atrctl.divergence import kl3_bounds
-from atrctl.losses import AGGREGATIONS, LOG_RATIO_LIMIT, POLICY_LOSSES, aggregate, loss_objective, policy_loss
+from atrctl.losses import (
+    AGGREGATIONS,
+    LOG_RATIO_LIMIT,
+    POLICY_LOSSES,
+    aggregate,
+    finish_metrics,
+    loss_objective,
+    policy_loss,
+)
 
-METRIC_NAMES = {"loss", "clip/low", "clip/high", "clip/region", "kl3/mean", "kl3/max", "ratio/min", "ratio/max"}
+BINS = ("p00-10", "p10-50", "p50-90", "p90-100")
+MECHANISM_NAMES = {f"clip/{side}/{b}" for side in ("low", "high") for b in BINS} | {
+    f"{kind}/{sign}/{b}" for kind in ("tokens", "dlogp") for sign in ("pos", "neg") for b in BINS
+}
+METRIC_NAMES = {
+    "loss", "clip/low", "clip/high", "clip/region", "kl3/mean", "kl3/max", "ratio/min", "ratio/max", *MECHANISM_NAMES
+}  # fmt: skip
 
 
 def batch(ratios, advantages, lengths=None, old=-1.0):
@@ -206,6 +220,58 @@ def test_clip_and_kl3_metrics_by_hand():
     assert metrics["kl3/max"] == pytest.approx(1.5 - 1 - math.log(1.5), rel=1e-5)
     assert metrics["ratio/min"] == pytest.approx(0.7, rel=1e-6)
     assert metrics["ratio/max"] == pytest.approx(1.5, rel=1e-6)
+
+
+def test_mechanism_metrics_by_hand():
+    """Six tokens in four p_old bins, clipped by grpo's [0.8, 1.2]; every figure counted here by hand."""
+    p_old = torch.tensor([[0.05, 0.3, 0.95, 0.7], [0.05, 0.6, 0.99, 0.2]])
+    w = torch.tensor([[1.5, 0.7, 1.1, 1.0], [0.5, 1.3, 0.9, 9.0]])  # last of row 1 is padding
+    old_logp = p_old.log()
+    logp = old_logp + w.log()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    _, m = policy_loss(logp, old_logp, torch.tensor([1.0, -1.0]), mask, algo="grpo")
+    # row 0 (A > 0): 1.5 at p 0.05 clipped high; row 1 (A < 0): 0.5 at p 0.05 clipped low; 1.3 (A < 0) is
+    # outside the region but keeps its gradient; 0.7 with A > 0 likewise
+    assert m["clip/high/p00-10"] == pytest.approx(1 / 7) and m["clip/low/p00-10"] == pytest.approx(1 / 7)
+    for side in ("low", "high"):
+        assert sum(m[f"clip/{side}/{b}"] for b in BINS) == pytest.approx(m[f"clip/{side}"])
+    assert m["clip/high/p10-50"] == m["clip/low/p50-90"] == 0.0
+    shares = {
+        "pos": [1, 1, 1, 1],
+        "neg": [1, 0, 1, 1],
+    }  # tokens per bin: row 0 [0.05, 0.3, 0.7, 0.95], row 1 [0.05, 0.6, 0.99]
+    for sign, counts in shares.items():
+        assert [m[f"tokens/{sign}/{b}"] for b in BINS] == pytest.approx([c / 7 for c in counts])
+    finished = finish_metrics(m)
+    expected = {"pos": [1.5, 0.7, 1.0, 1.1], "neg": [0.5, None, 1.3, 0.9]}
+    for sign, ratios in expected.items():
+        for b, ratio in zip(BINS, ratios, strict=True):
+            if ratio is None:
+                assert f"dlogp/{sign}/{b}" not in finished  # an empty cell reports nothing, not 0
+            else:
+                assert finished[f"dlogp/{sign}/{b}"] == pytest.approx(math.log(ratio), abs=1e-6)
+    assert {k: v for k, v in finished.items() if not k.startswith("dlogp/")} == {
+        k: v for k, v in m.items() if not k.startswith("dlogp/")
+    }
+
+
+def test_mechanism_metrics_combine_exactly_over_micro_batches():
+    """Token-weighted means of the shares, then one division: the cell means of one batch split in two."""
+    from atrctl.train import reduce_step_metrics
+
+    torch.manual_seed(0)
+    old_logp = torch.rand(6, 5).log()
+    logp = old_logp + 0.3 * torch.randn(6, 5)
+    adv, mask = torch.randn(6), torch.rand(6, 5) > 0.3
+    whole = finish_metrics(policy_loss(logp, old_logp, adv, mask, algo="atr").metrics)
+    micro = []
+    for rows in (slice(0, 2), slice(2, 6)):
+        metrics = policy_loss(logp[rows], old_logp[rows], adv[rows], mask[rows], algo="atr").metrics
+        micro.append((metrics, float(mask[rows].sum()), 1.0))
+    split = finish_metrics(reduce_step_metrics(micro, list(micro[0][0]), torch.device("cpu")))
+    for key in whole:
+        if key.startswith(("dlogp/", "tokens/", "clip/low/", "clip/high/")):
+            assert split[key] == pytest.approx(whole[key], abs=1e-6), key
 
 
 def test_atr_clips_less_above_than_grpo_with_the_same_lower_bound():
