@@ -56,6 +56,22 @@ def per_seed_pass_at_k(results: Sequence, k: int) -> np.ndarray:
     return np.stack([result.pass_at(k) for result in results])
 
 
+EXPLORATION = {"entropy": lambda r: r.entropy(), "distinct correct": lambda r: r.distinct_correct()}
+"""Per-problem exploration measures a table adds where every evaluation has them (`passk.EvalResult`)."""
+
+
+EXPLORATION_NOTE = """
+entropy: the evaluation samples' mean surprisal per token (nats), which estimates the sampling distribution's
+entropy; distinct correct (tasks with several correct answers, e.g. countdown): distinct correct answers as
+written, per problem, among its n samples.
+"""
+
+
+def table_metrics(rows: Sequence[dict], ks: Sequence[int]) -> list[str]:
+    """The columns of a comparison table: pass@k, greedy, then the exploration measures present."""
+    return [f"pass@{k}" for k in ks] + ["greedy"] + [name for name in EXPLORATION if rows and name in rows[0]]
+
+
 def comparison_table(results: dict[str, list], ks: Sequence[int]) -> list[dict]:
     """Rows: one per arm (mean over seeds and problems, with its CI), then each arm minus the first.
 
@@ -64,6 +80,10 @@ def comparison_table(results: dict[str, list], ks: Sequence[int]) -> list[dict]:
     labels = list(results)
     metrics = {f"pass@{k}": [per_seed_pass_at_k(results[label], k) for label in labels] for k in ks}
     metrics["greedy"] = [np.stack([r.greedy.astype(float) for r in results[label]]) for label in labels]
+    for name, per_problem in EXPLORATION.items():
+        arrays = [[per_problem(r) for r in results[label]] for label in labels]
+        if all(a is not None for arm in arrays for a in arm):
+            metrics[name] = [np.stack(arm) for arm in arrays]
     rows = [{"row": label, "seeds": len(results[label])} for label in labels]
     diffs = [{"row": f"{label} − {labels[0]}", "seeds": len(results[label])} for label in labels[1:]]
     for name, arrays in metrics.items():
@@ -144,7 +164,7 @@ def write_report(
     from atrctl.eval_report import plot_passk_curves
 
     rows = comparison_table(results, ks)
-    metrics = [f"pass@{k}" for k in ks] + ["greedy"]
+    metrics = table_metrics(rows, ks)
     atomic.write_text(directory / "passk.csv", pd.DataFrame(rows).to_csv(index=False))
     table = table_markdown(rows, metrics)
     atomic.write_text(directory / "passk.md", table)
@@ -187,7 +207,7 @@ def write_report(
 
 ## pass@k (mean over seeds and problems, {LEVEL:.0%} CI)
 
-{table}
+{table}{EXPLORATION_NOTE if "entropy" in metrics else ""}
 ![pass@k](passk.png)
 
 ## Training

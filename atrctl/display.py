@@ -80,7 +80,9 @@ def passk_table(summary: dict, ks: Sequence[int], title: str) -> Table:
 
 
 def compare_table(rows: list[dict], ks: Sequence[int]) -> Table:
-    metrics = [f"pass@{k}" for k in ks] + ["greedy"]
+    from atrctl.compare_report import table_metrics
+
+    metrics = table_metrics(rows, ks)
     table = Table(title="pass@k, mean over seeds and problems [95% CI]; ★ = difference whose CI excludes 0")
     table.add_column("arm")
     table.add_column("seeds", justify="right")

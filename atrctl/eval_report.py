@@ -36,6 +36,7 @@ def passk_markdown(result: EvalResult, frame: pd.DataFrame, title: str) -> str:
         "",
         f"- avg@n: {avg_at_n(result.rewards):.4f}",
         f"- greedy accuracy: {float(result.greedy.mean()):.4f}",
+        *exploration_lines(result),
         f"- n: {result.n} samples per problem",
         f"- problems: {len(result.problem_ids)}",
         f"- temperature: {result.temperature:g}",
@@ -44,6 +45,16 @@ def passk_markdown(result: EvalResult, frame: pd.DataFrame, title: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def exploration_lines(result: EvalResult) -> list[str]:
+    """What the samples say about exploration beyond pass@k, where it was measured."""
+    lines = []
+    if (entropy := result.entropy()) is not None:
+        lines.append(f"- entropy of the samples: {entropy.mean():.4f} nats per token (mean surprisal at T)")
+    if (distinct := result.distinct_correct()) is not None:
+        lines.append(f"- distinct correct answers per problem: {distinct.mean():.3f} of n = {result.n} samples")
+    return lines
 
 
 def plot_passk_curves(curves: Sequence[Curve], title: str) -> Figure:

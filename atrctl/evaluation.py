@@ -333,12 +333,12 @@ def evaluate_model(
         for i, row, text in zip(block, scores, texts, strict=True):
             kept[i] = shown(i, "greedy", text, row)
 
-    sampled: dict[int, tuple[list[float], list[str | None]]] = {}
+    sampled: dict[int, tuple] = {}  # problem -> (rewards, parsed, forms, (nats, tokens) per sample)
     mine = sample_chunks(len(problems), n, batch_size)[rank::world]
     total = sum(len(chunk) for chunk in mine)
     for chunk in mine:
         generator = torch.Generator(device).manual_seed(eval_chunk_seed(seed, chunk.start))
-        texts = []
+        texts, surprisal = [], []
         scores = sampled_scores(
             sampler,
             tokenizer,
@@ -352,9 +352,11 @@ def evaluate_model(
             generator=generator,
             batch_size=batch_size,
             texts=texts,
+            surprisal=surprisal,
         )
         sampled.update(
-            (i, ([s.reward for s in row], [s.parsed for s in row])) for i, row in zip(chunk, scores, strict=True)
+            (i, ([s.reward for s in row], [s.parsed for s in row], [s.form for s in row], pairs))
+            for i, row, pairs in zip(chunk, scores, surprisal, strict=True)
         )
         for i, row, text in zip(chunk, scores, texts, strict=True):
             kept[i] = kept.get(i, []) + shown(i, "sample", text[:keep], row[:keep])
@@ -368,6 +370,7 @@ def evaluate_model(
         for i, rows in rank_kept.items():  # a problem's greedy and sampled rows may come from two ranks
             shown_rows.setdefault(i, []).extend(rows)
     order = range(len(problems))
+    surprisal = np.array([sampled[i][3] for i in order], dtype=np.float64).reshape(len(problems), n, 2)
     return EvalResult(
         problem_ids=[p.id for p in problems],
         n=n,
@@ -378,6 +381,9 @@ def evaluate_model(
         seed=seed,
         seconds=time.perf_counter() - started,
         completions=[row for i in order for row in sorted(shown_rows.get(i, []), key=_greedy_first)],
+        nats=surprisal[..., 0],
+        lengths=surprisal[..., 1].astype(int),
+        forms=[sampled[i][2] for i in order],
     )
 
 

@@ -117,6 +117,27 @@ class EvalResult:
     seed: int
     seconds: float
     completions: list[dict] = field(default_factory=list)  # the texts kept for samples.jsonl (evaluation.py)
+    nats: np.ndarray | None = None  # [P, n] float64: each sample's sum of -logprob (nats) at the sampling T
+    lengths: np.ndarray | None = None  # [P, n] int: each sample's tokens
+    forms: list[list[str | None]] | None = None  # [P][n] the answer as written where a task gives one (countdown)
+
+    def entropy(self) -> np.ndarray | None:
+        """Per problem, the samples' mean surprisal per token (nats): the Monte-Carlo estimate of the sampling
+        distribution's entropy per token (of the distribution at the sampling temperature before top-p)."""
+        if self.nats is None or self.lengths is None:
+            return None
+        return self.nats.sum(axis=1) / np.maximum(self.lengths.sum(axis=1), 1)
+
+    def distinct_correct(self) -> np.ndarray | None:
+        """Per problem, how many distinct correct answers (as written, `Score.form`) the n samples hold; None
+        where the task gives no forms (one correct answer per problem: nothing to count)."""
+        if self.forms is None or not any(form is not None for row in self.forms for form in row):
+            return None
+        return np.array(
+            [len({f for f, r in zip(row, rewards, strict=True) if f is not None and r >= 1})
+             for row, rewards in zip(self.forms, self.rewards, strict=True)],
+            dtype=float,
+        )  # fmt: skip
 
     @property
     def correct(self) -> np.ndarray:
@@ -143,4 +164,7 @@ class EvalResult:
             out[f"maj@{k}"] = majority_at_k(self.parsed, self.rewards, k)
         out["avg@n"] = avg_at_n(self.rewards)
         out["greedy"] = float(self.greedy.mean())
+        for name, values in (("entropy", self.entropy()), ("distinct correct", self.distinct_correct())):
+            if values is not None:
+                out[name] = float(values.mean())
         return out

@@ -30,9 +30,11 @@ def sampled_scores(
     generator: torch.Generator | None = None,
     batch_size: int = 1024,
     texts: list[list[str]] | None = None,
+    surprisal: list[list[tuple[float, int]]] | None = None,
 ) -> list[list[Score]]:
     """`samples` scored completions per problem ([problems][samples]), sampled in batches of whole problems;
-    each problem's completion texts are appended to `texts` when a list is given."""
+    each problem's completion texts are appended to `texts` when a list is given, and to `surprisal` each
+    completion's (sum of -logprob over its tokens in nats, its number of tokens)."""
     per_batch = max(1, batch_size // samples)
     scores: list[list[Score]] = []
     for start in range(0, len(problems), per_batch):
@@ -47,11 +49,17 @@ def sampled_scores(
             generator=generator,
         )
         decoded = decode_completions(tokenizer, rollout)
+        if surprisal is not None:
+            mask = rollout.completion_mask.bool()
+            nats = (-torch.where(mask, rollout.logprobs.float(), 0.0).sum(1)).tolist()
+            pairs = list(zip(nats, mask.sum(1).tolist(), strict=True))
         for i, problem in enumerate(chunk):
             mine = decoded[i * samples : (i + 1) * samples]
             scores.append([task.score(problem, text) for text in mine])
             if texts is not None:
                 texts.append(mine)
+            if surprisal is not None:
+                surprisal.append(pairs[i * samples : (i + 1) * samples])
     return scores
 
 

@@ -1,6 +1,7 @@
 """Evaluation math (pass@k, maj@k, bootstrap intervals) and sampling a model for an evaluation."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -149,3 +150,41 @@ def test_evaluate_model_is_reproducible_and_consistent(tiny):
     assert other.parsed != result.parsed
     summary = result.summary(default_ks(8))
     assert summary["pass@1"] <= summary["pass@2"] <= summary["pass@8"]
+
+
+def test_exploration_measures_by_hand():
+    forms = [["3*5+7", "7+3*5", "3*5+7", None], ["2+2", None, None, "9-5"]]
+    rewards = np.array([[1, 1, 1, 0], [0, 0, 0, 1]], dtype=np.float32)
+    nats, lengths = np.array([[1.0, 2.0, 3.0, 4.0], [0.5, 0.5, 0.5, 0.5]]), np.array([[1, 1, 2, 6], [1, 1, 1, 1]])
+    parsed = [["22"] * 4, ["4"] * 4]
+    result = EvalResult(["a", "b"], 4, rewards, parsed, np.array([True, False]), 1.0, 0, 0.0,
+                        nats=nats, lengths=lengths, forms=forms)  # fmt: skip
+    assert result.distinct_correct().tolist() == [2.0, 1.0]  # the wrong "2+2" and the repeat count nothing
+    assert result.entropy().tolist() == pytest.approx([10 / 10, 2 / 4])
+    summary = result.summary([1])
+    assert summary["distinct correct"] == 1.5 and summary["entropy"] == pytest.approx(0.75)
+    assert EvalResult(["a"], 1, rewards[:1, :1], [["1"]], np.array([True]), 1.0, 0, 0.0).distinct_correct() is None
+
+
+def test_countdown_gives_each_correct_expression_as_written():
+    task = get_task("countdown")
+    problem = task.problems("test", 1, 0)[0]
+    first = task.score(problem, f"{problem.solution}\n")
+    spaced = task.score(problem, re.sub(r"([-+*/()])", r" \1 ", problem.solution) + "\n")
+    assert first.reward == spaced.reward == 1.0 and first.form == spaced.form == problem.solution.replace(" ", "")
+    assert task.score(problem, "nonsense").form is None
+
+
+def test_evaluation_entropy_is_the_samples_surprisal(tiny):
+    """At a huge temperature every token is drawn from (almost) the uniform distribution over the vocabulary,
+    whose entropy is ln V: the estimate must land there; at T = 1 it is below it and above 0."""
+    model, tokenizer = tiny
+    task = FirstDigitTask()
+    problems = task.problems("test", 4, 0)
+    kwargs = dict(n=8, seed=0, max_new_tokens=4, batch_size=32)
+    hot = evaluate_model(model, tokenizer, task, problems, temperature=1e6, **kwargs)
+    vocabulary = model.config.vocab_size
+    assert hot.lengths.sum() > 0 and hot.entropy() == pytest.approx(np.full(4, math.log(vocabulary)), rel=1e-4)
+    warm = evaluate_model(model, tokenizer, task, problems, temperature=1.0, **kwargs)
+    assert np.all(warm.entropy() > 0) and np.all(warm.entropy() < math.log(vocabulary))
+    assert warm.lengths.max() <= 4 and warm.nats.shape == (4, 8) and warm.distinct_correct() is None

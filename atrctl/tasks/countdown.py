@@ -87,7 +87,7 @@ class CountdownTask:
             return Score(0.0, None)
         if Counter(used) - Counter(numbers):
             return Score(0.0, None)
-        return Score(float(value == target), str(value))
+        return Score(float(value == target), str(value), form="".join(text.split()))
 
     def _problem(self, key: str, numbers: list[int], node: Node) -> Problem:
         target, id = node[1], f"countdown-{key[:-1]}"

@@ -20,10 +20,13 @@ class Problem:
 
 @dataclass(frozen=True)
 class Score:
-    """Reward in [0, 1] and the normalized parsed answer (None if unparseable), used for maj@k."""
+    """Reward in [0, 1] and the normalized parsed answer (None if unparseable), used for maj@k; `form` is the
+    answer as written, normalised, where one value has several correct ways to reach it (countdown's
+    expression): distinct correct forms measure how many solutions the samples explore."""
 
     reward: float
     parsed: str | None
+    form: str | None = None
 
 
 class Task(Protocol):
