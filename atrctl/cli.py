@@ -479,6 +479,70 @@ def compare(
     console.print(f"report: {comparison.directory / 'report.md'}")
 
 
+# ------------------------------------------------------------------ sweep
+
+
+@app.command()
+def sweep(
+    ctx: typer.Context,
+    loss: Annotated[str, typer.Argument(help="The loss swept (e.g. atr); `atrctl ls` lists them.")],
+    grid: Annotated[
+        list[str],
+        typer.Option(help="KEY=v1,v2,…: a parameter of the loss or a dotted recipe key (repeatable: the product)."),
+    ],
+    vs: Annotated[
+        list[str] | None, typer.Option(help="Reference arms drawn as bands, e.g. grpo:eps=0.2 (repeatable).")
+    ] = None,
+    seeds: Annotated[int, typer.Option(help="Training seeds per point (0 … seeds-1).")] = 3,
+    steps: Annotated[
+        int | None, typer.Option(help=f"RL steps per run \\[default: the recipe's, {RunConfig.steps}].")
+    ] = None,
+    n: Annotated[int, typer.Option("--n", help="Samples per held-out problem for pass@k.")] = 64,
+    problems: Annotated[int, typer.Option(help="Held-out problems, the same for every arm.")] = 200,
+    jobs: Annotated[int, typer.Option(help="Training runs in parallel (one CPU thread each when > 1).")] = 2,
+    max_kl3: Annotated[float | None, typer.Option(help="δ of atr arms that do not set it.")] = None,
+    eps: Annotated[float | None, typer.Option(help="ε of grpo/dapo arms that do not set it.")] = None,
+    eps_high: Annotated[float | None, typer.Option(help="ε_high of dapo arms that do not set it.")] = None,
+    name: Annotated[str | None, typer.Option(help="results/sweep-<name>/ \\[default: LOSS-KEY…].")] = None,
+    recipe: RecipeOption = None,
+    set_: SetOption = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing sweep of the same name.")] = False,
+    results: ResultsOption = Path("results"),
+) -> None:
+    """Train LOSS at every grid point (and the --vs arms) from one base and compare them (e.g.
+    `atrctl sweep atr --grid max_kl3=0.02,0.05,0.1,0.2 --vs grpo`)."""
+    import shlex
+
+    from atrctl import display
+    from atrctl.compare import run_comparison
+    from atrctl.config import load_recipe
+    from atrctl.sweep import plan_sweep
+    from atrctl.sweep_report import write_sweep_report
+
+    display.quiet_libraries()
+    config = load_recipe(recipe, ([f"run.steps={steps}"] if steps is not None else []) + list(set_ or []))
+    planned = plan_sweep(
+        loss, grid, vs or [], seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=config, max_kl3=max_kl3,
+        eps=eps, eps_high=eps_high, name=name, overwrite=overwrite, results=results,
+    )  # fmt: skip
+    command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
+    report = lambda comparison, evaluations, ks, text, seconds: write_sweep_report(  # noqa: E731
+        planned, evaluations, ks, text, seconds
+    )
+    try:
+        with display.phase_bars() as advance:
+            rows, ks = run_comparison(
+                planned.comparison, n=n, problems=problems, jobs=jobs, results=results, command=command,
+                advance=advance, report=report,
+            )  # fmt: skip
+    except KeyboardInterrupt:
+        stderr.print(f"interrupted: rerun the same command without --overwrite to resume the runs in "
+                     f"{planned.comparison.directory}")  # fmt: skip
+        raise typer.Exit(130) from None
+    console.print(display.sweep_results_table(rows, ks))
+    console.print(f"report: {planned.comparison.directory / 'report.md'}")
+
+
 # --------------------------------------------------------------------- entry
 
 

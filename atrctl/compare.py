@@ -30,10 +30,12 @@ from atrctl import atomic
 from atrctl.arms import Arm, arm_recipe, check_distinct, parse_arms
 from atrctl.config import Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
-from atrctl.rundir import RunDir, check_name, drop_aside, exclusive, move_aside, recover
+from atrctl.rundir import MAX_NAME_BYTES, RunDir, check_name, drop_aside, exclusive, move_aside, recover
 
 # advance(key, description, done, total, note): one progress line per key, made on its first call
 Progress = Callable[[str, str, int, int, str], None]
+# report(comparison, evaluations per arm label, ks, command, wall seconds by part) -> the table's rows
+Report = Callable[["Comparison", dict[str, list], list[int], str, dict[str, float]], list[dict]]
 
 
 # ------------------------------------------------------------------ training jobs
@@ -149,6 +151,7 @@ class Comparison:
     recipe: Recipe
     loss_args: dict[str, dict]
     overwrite: bool = False  # replace what the directory holds (run_comparison does it, under the lock)
+    kind: str = "compare"  # what made it: the marker file is <kind>.json ("sweep" for atrctl sweep)
 
     def record(self) -> dict:
         return {
@@ -162,7 +165,7 @@ class Comparison:
 def prepare(comparison: Comparison, overwrite: bool) -> None:
     """Create the comparison directory, or continue one made by the same command; anything else is refused.
     With `overwrite` the old one is replaced even when it is the same comparison (its runs are retrained)."""
-    marker = comparison.directory / "compare.json"
+    marker = comparison.directory / f"{comparison.kind}.json"
     record = comparison.record()
     if marker.is_file() and not overwrite:
         try:
@@ -170,10 +173,14 @@ def prepare(comparison: Comparison, overwrite: bool) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError):
             recorded = None  # damaged: not this comparison, so it is refused below unless overwritten
         if _same_record(recorded, json.loads(json.dumps(record))):
-            return  # the same comparison: finished runs are kept, interrupted ones resume
+            # the same shared setting: finished runs are kept, interrupted ones resume, and arms or seeds
+            # added since are trained (a run's recipe is its label's and its seed's, whatever the others)
+            if recorded != json.loads(json.dumps(record)):
+                atomic.write_text(marker, json.dumps(record, indent=2) + "\n")
+            return
         raise UserError(
-            f"{comparison.directory} holds a different comparison; pick another --name "
-            "or pass --overwrite to replace it"
+            f"{comparison.directory} holds a {comparison.kind} with another shared recipe or --max-kl3/--eps/"
+            "--eps-high; pick another --name or pass --overwrite to replace it"
         )
     elif comparison.directory.exists() and any(comparison.directory.iterdir()) and not overwrite:
         raise UserError(f"{comparison.directory} already exists; pick another --name or pass --overwrite")
@@ -184,14 +191,15 @@ def prepare(comparison: Comparison, overwrite: bool) -> None:
 
 
 def _same_record(recorded: dict, current: dict) -> bool:
-    """Whether a recorded comparison is this one; a recipe key added since then takes its default."""
+    """Whether a recorded comparison shares this one's setting (recipe and shared loss flags), so its runs are
+    this one's runs of the same label and seed; a recipe key added since then takes its default."""
     from atrctl.config import recipe_from_dict
 
     try:
-        recorded = {**recorded, "recipe": recipe_to_dict(recipe_from_dict(recorded["recipe"]))}
+        recipe = recipe_to_dict(recipe_from_dict(recorded["recipe"]))
+        return (recipe, recorded["loss_args"]) == (current["recipe"], current["loss_args"])
     except (UserError, KeyError, TypeError, AttributeError):
         return False
-    return recorded == current
 
 
 def write_arm_recipes(comparison: Comparison, base: str) -> dict[str, Path]:
@@ -295,8 +303,10 @@ def plan_comparison(
     name: str | None,
     overwrite: bool,
     results: Path,
+    kind: str = "compare",
 ) -> Comparison:
-    """Check every input and resolve the comparison; nothing is written (run_comparison claims the directory)."""
+    """Check every input and resolve the comparison; nothing is written (run_comparison claims the directory).
+    Its directory is results/<kind>-<name>."""
     from atrctl.evaluation import check_samples_fit
     from atrctl.train import validate_algo
 
@@ -304,7 +314,7 @@ def plan_comparison(
         if value < 1:
             raise UserError(f"{flag} must be at least 1 (got {value})")
     if len(arm_names) < 2:
-        raise UserError("compare needs at least two arms, e.g. `atrctl compare grpo atr`")
+        raise UserError(f"{kind} needs at least two arms, e.g. `atrctl compare grpo atr`")
     arms = parse_arms(arm_names)
     from atrctl.tasks import get_task
 
@@ -322,8 +332,11 @@ def plan_comparison(
         else:  # an existing run: its recipe must read and its task match, before anything trains
             arm_target(arm.run_dir, recipe)
     check_distinct(trained)
-    label = check_name(name if name is not None else "-".join(a.slug for a in arms))
-    return Comparison(results / f"compare-{label}", arms, seeds, recipe, loss_args, overwrite)
+    joined = "-".join(a.slug for a in arms)
+    if name is None and len(joined.encode()) > MAX_NAME_BYTES:
+        raise UserError(f"the arms' labels make a {len(joined.encode())}-byte directory name; give one with --name")
+    label = check_name(name if name is not None else joined)
+    return Comparison(results / f"{kind}-{label}", arms, seeds, recipe, loss_args, overwrite, kind)
 
 
 def _runs_started(comparison: Comparison) -> bool:
@@ -341,19 +354,17 @@ def run_comparison(
     results: Path,
     command: str,
     advance: Progress | None = None,
+    report: Report | None = None,
 ) -> tuple[list[dict], list[int]]:
-    """Warm up (or reuse) the base, train every (arm, seed), evaluate every final model and write the report.
+    """Warm up (or reuse) the base, train every (arm, seed), evaluate every final model and write the report
+    (`report`, compare's own by default; `atrctl sweep` brings its own).
 
     Returns the table rows and the k's.  Every part resumes: finished runs are kept, interrupted ones
     continue from their checkpoints, and rerunning the same plan redoes only what is missing.  One
     process at a time: a second one on the same comparison is refused.
     """
-    from atrctl.compare_report import write_report
-    from atrctl.config import recipe_to_dict, to_toml
     from atrctl.eval_report import write_eval
-    from atrctl.models import resolve_device
     from atrctl.passk import default_ks
-    from atrctl.rundir import environment
 
     def show(key: str, description: str, done: int, total: int, note: str = "") -> None:
         if advance is not None:
@@ -383,20 +394,30 @@ def run_comparison(
             for directory, result in zip(directories, evaluations[label], strict=True):
                 write_eval(result, ks, RunDir(directory).eval, f"{directory.name}: pass@k")
         seconds["total"] = time.perf_counter() - started
-        deltas, eps = _drawn_regions(comparison)
-        rows = write_report(
-            comparison.directory,
-            arm_runs(comparison),
-            evaluations,
-            ks,
-            command=command,
-            recipe_toml=to_toml(recipe_to_dict(comparison.recipe)),
-            environment=environment(resolve_device(comparison.recipe.model.device)),
-            deltas=deltas,
-            eps=eps,
-            seconds=seconds,
-        )
-        return rows, ks
+        return (report or write_compare_report)(comparison, evaluations, ks, command, seconds), ks
+
+
+def write_compare_report(
+    comparison: Comparison, evaluations: dict[str, list], ks: list[int], command: str, seconds: dict[str, float]
+) -> list[dict]:
+    """compare's report (`compare_report.write_report`): the pass@k table with differences, the figures."""
+    from atrctl.compare_report import write_report
+    from atrctl.models import resolve_device
+    from atrctl.rundir import environment
+
+    deltas, eps = _drawn_regions(comparison)
+    return write_report(
+        comparison.directory,
+        arm_runs(comparison),
+        evaluations,
+        ks,
+        command=command,
+        recipe_toml=to_toml(recipe_to_dict(comparison.recipe)),
+        environment=environment(resolve_device(comparison.recipe.model.device)),
+        deltas=deltas,
+        eps=eps,
+        seconds=seconds,
+    )
 
 
 def _drawn_regions(comparison: Comparison) -> tuple[list[float], float]:

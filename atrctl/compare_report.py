@@ -139,6 +139,59 @@ def training_figure(runs: dict[str, list[Path]]):
     return fig
 
 
+MECHANISM_PANELS = (
+    ("clip/low/{bin}", "tokens/neg/{bin}", "clip/low: share of the A<0 tokens whose gradient is removed"),
+    ("clip/high/{bin}", "tokens/pos/{bin}", "clip/high: share of the A>0 tokens whose gradient is removed"),
+    ("dlogp/pos/{bin}", None, "mean Δ log p of the A>0 tokens"),
+    ("dlogp/neg/{bin}", None, "mean Δ log p of the A<0 tokens"),
+)
+
+
+def mechanism_summary(directories: Sequence[Path]) -> dict[str, list[float]]:
+    """Per MECHANISM_PANELS panel, one value per p_old bin over every step of the runs (all seeds): a clip share
+    as a fraction of the tokens of that sign and bin (ratio of the summed shares), a dlogp as the mean over
+    the steps that measured it."""
+    from atrctl.losses import OLD_PROBABILITY_BINS
+
+    records = [record for d in directories for record in RunDir(d).read_metrics()]
+    panels = {}
+    for key, share, _ in MECHANISM_PANELS:
+        values = []
+        for name in OLD_PROBABILITY_BINS:
+            top = [r[key.format(bin=name)] for r in records if key.format(bin=name) in r]
+            if share is None:
+                values.append(float(np.mean(top)) if top else np.nan)
+            else:
+                bottom = sum(r.get(share.format(bin=name), 0.0) for r in records)
+                values.append(sum(top) / bottom if bottom > 0 else np.nan)
+        panels[key] = values
+    return panels
+
+
+def mechanism_figure(runs: dict[str, list[Path]]):
+    """Where each arm's trust region acts, by the sampling probability of the token: the share of tokens whose
+    gradient the clip removed and the mean change of log-probability, per p_old bin (grouped bars)."""
+    from matplotlib.figure import Figure
+
+    from atrctl.losses import OLD_PROBABILITY_BINS
+
+    fig = Figure(figsize=(4.4 * len(MECHANISM_PANELS), 4.4), layout="constrained")
+    axes = fig.subplots(1, len(MECHANISM_PANELS))
+    summaries = {label: mechanism_summary(directories) for label, directories in runs.items()}
+    width = 0.8 / max(len(runs), 1)
+    x = np.arange(len(OLD_PROBABILITY_BINS))
+    for (key, _, title), ax in zip(MECHANISM_PANELS, axes, strict=True):
+        for i, (label, summary) in enumerate(summaries.items()):
+            ax.bar(x + (i - (len(runs) - 1) / 2) * width, summary[key], width, label=label)
+        ax.set_xticks(x, ["p<0.1", "0.1–0.5", "0.5–0.9", "≥0.9"])
+        ax.set(title=title, xlabel="p_old of the token")
+        ax.axhline(0, color="0.3", lw=0.6)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Where the trust region acts, by the sampling probability of the token (every step, all seeds)")
+    return fig
+
+
 def save_figure(figure, path: Path) -> None:
     with atomic.atomic_path(path) as tmp:
         figure.savefig(tmp, format="png", dpi=120)
@@ -184,6 +237,7 @@ def write_report(
     title = f"pass@k: {problems} held-out problems, n = {n}\nmean over seeds, {LEVEL:.0%} CI (problems and seeds)"
     save_figure(plot_passk_curves(curves, title), directory / "passk.png")
     save_figure(training_figure(runs), directory / "training.png")
+    save_figure(mechanism_figure(runs), directory / "mechanism.png")
     save_figure(bounds_figure(deltas, eps), directory / "bounds.png")
 
     starred = [row["row"] for row in rows[len(results) :] if any(row.get(f"{m} excludes_0") for m in metrics)]
@@ -213,6 +267,8 @@ def write_report(
 ## Training
 
 ![training curves](training.png)
+
+![where the trust region acts](mechanism.png)
 
 ## Trust regions
 

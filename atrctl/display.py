@@ -98,6 +98,20 @@ def compare_table(rows: list[dict], ks: Sequence[int]) -> Table:
     return table
 
 
+def sweep_results_table(rows: list[dict], ks: Sequence[int]) -> Table:
+    """A sweep's headline per arm: pass@1, pass@k at the largest k, greedy, final entropy, kl3/mean."""
+    from atrctl.sweep_report import interval_text
+
+    columns = ["pass@1", f"pass@{max(ks)}", "greedy", "final entropy", "kl3/mean"]
+    table = Table(title="sweep: evaluation mean [95% CI]; training mean [seed range]")
+    table.add_column("arm")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(escape(row["arm"]), *(escape(interval_text(row, c)) for c in columns))
+    return table
+
+
 def catalog_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
     """One section of `atrctl ls`."""
     table = Table(title=title, title_justify="left")
