@@ -163,8 +163,9 @@ class Comparison:
 
 
 def prepare(comparison: Comparison, overwrite: bool) -> None:
-    """Create the comparison directory, or continue one made by the same command; anything else is refused.
-    With `overwrite` the old one is replaced even when it is the same comparison (its runs are retrained)."""
+    """Create the comparison directory, or continue one with the same shared setting (recipe and shared loss
+    flags; arms and seeds may have been added or left out); anything else is refused.  With `overwrite` the
+    old one is replaced even when it is the same comparison (its runs are retrained)."""
     marker = comparison.directory / f"{comparison.kind}.json"
     record = comparison.record()
     if marker.is_file() and not overwrite:
@@ -242,8 +243,11 @@ def arm_target(directory: Path, recipe: Recipe):
 def evaluate_arms(
     comparison: Comparison, n: int, problems: int, on_progress: Callable[[str, int, int], None] | None = None
 ) -> dict[str, list]:
-    """Every final model on the same held-out problems, with the same n and sampling seed."""
-    from atrctl.evaluation import evaluate_target
+    """Every final model on the same held-out problems, with the same n and sampling seed.  A run evaluated
+    before with exactly this key (`evaluation.evaluation_key`: model files, problems, settings, code) is read
+    back from its eval/ instead of sampled again."""
+    from atrctl.eval_report import load_result, save_result
+    from atrctl.evaluation import evaluate_target, evaluation_key
     from atrctl.tasks import get_task
 
     recipe = comparison.recipe
@@ -253,21 +257,16 @@ def evaluate_arms(
     for label, directories in arm_runs(comparison).items():
         results[label] = []
         for directory in directories:
-            results[label].append(
-                evaluate_target(
-                    arm_target(directory, recipe),
-                    task,
-                    held_out,
-                    n=n,
-                    temperature=recipe.eval.temperature,
-                    seed=recipe.eval.seed,
-                    device=recipe.model.device,
-                    batch_size=recipe.eval.batch,
-                    on_progress=None
-                    if on_progress is None
-                    else (lambda done, total, name=directory.name: on_progress(name, done, total)),
-                )
-            )
+            spec = arm_target(directory, recipe)
+            settings = dict(n=n, temperature=recipe.eval.temperature, seed=recipe.eval.seed,
+                            device=recipe.model.device, batch_size=recipe.eval.batch)  # fmt: skip
+            key = evaluation_key(spec, held_out, **settings)
+            result = load_result(RunDir(directory).eval, key)
+            if result is None:
+                progress = None if on_progress is None else (lambda d, t, name=directory.name: on_progress(name, d, t))
+                result = evaluate_target(spec, task, held_out, **settings, on_progress=progress)
+                save_result(RunDir(directory).eval, key, result)
+            results[label].append(result)
     return results
 
 

@@ -57,6 +57,51 @@ def exploration_lines(result: EvalResult) -> list[str]:
     return lines
 
 
+RESULT_ARRAYS, RESULT_RECORD = "result.npz", "result.json"
+
+
+def save_result(directory: Path, key: dict, result: EvalResult) -> None:
+    """Keep an evaluation's every sample outcome beside its figures, under the `key` of what produced it, so
+    that the same evaluation of the same model is read back instead of sampled again (`load_result`).  The
+    arrays carry the key's digest too: a crash between the two writes cannot pair one key with other data."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = {"rewards": result.rewards, "greedy": result.greedy, "digest": np.array(digest)}
+    if result.nats is not None and result.lengths is not None:
+        arrays.update(nats=result.nats, lengths=result.lengths)
+    with atomic.atomic_path(directory / RESULT_ARRAYS) as tmp, open(tmp, "wb") as file:
+        np.savez_compressed(file, **arrays)
+    record = {"key": key, "digest": digest, "problem_ids": result.problem_ids, "n": result.n,
+              "temperature": result.temperature, "seed": result.seed, "seconds": result.seconds,
+              "parsed": result.parsed, "forms": result.forms, "completions": result.completions}  # fmt: skip
+    atomic.write_text(directory / RESULT_RECORD, json.dumps(record) + "\n")
+
+
+def load_result(directory: Path, key: dict) -> EvalResult | None:
+    """The evaluation `save_result` kept under exactly this `key`, or None (none, another key, or damaged)."""
+    import json
+    import zipfile
+
+    try:
+        record = json.loads((directory / RESULT_RECORD).read_text())
+        if record.get("key") != json.loads(json.dumps(key)):
+            return None
+        with np.load(directory / RESULT_ARRAYS, allow_pickle=False) as arrays:
+            if str(arrays["digest"]) != record["digest"]:
+                return None
+            data = {name: arrays[name] for name in arrays.files}
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, UnicodeDecodeError):
+        return None
+    return EvalResult(
+        record["problem_ids"], record["n"], data["rewards"], record["parsed"], data["greedy"], record["temperature"],
+        record["seed"], record["seconds"], record["completions"], data.get("nats"), data.get("lengths"),
+        record["forms"],
+    )  # fmt: skip
+
+
 def plot_passk_curves(curves: Sequence[Curve], title: str) -> Figure:
     """pass@k against k on a log2 axis, one line with its interval band per (label, ks, mean, low, high)."""
     fig = Figure(figsize=(7, 4.5), layout="constrained")

@@ -152,6 +152,36 @@ def evaluate_target(
     )
 
 
+def evaluation_key(spec: EvalTarget, problems: Sequence[Problem], **settings) -> dict:
+    """Everything an evaluation's samples depend on, as JSON values: the model's files (path, size, mtime),
+    the target, the problems, the sampling settings, the torch version and threads, and a digest of atrctl's
+    own source (a changed verifier or sampler must not be answered from a cache)."""
+    import dataclasses
+    import hashlib
+    import json
+
+    import torch
+
+    model = Path(spec.model)
+    files = sorted((str(p.relative_to(model)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in model.glob("*") if p.is_file()) if model.is_dir() else []  # fmt: skip
+    problems_digest = hashlib.sha256(json.dumps([(p.id, p.prompt, p.answer) for p in problems]).encode()).hexdigest()
+    target = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(spec).items()}
+    return {"model": str(model.resolve()) if model.is_dir() else spec.model, "files": files, "target": target,
+            "problems": problems_digest, "settings": settings, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "code": _source_digest()}  # fmt: skip
+
+
+def _source_digest() -> str:
+    """SHA-256 of atrctl's Python source files (names and contents)."""
+    import hashlib
+
+    package, digest = Path(__file__).parent, hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def run_evaluation(
     spec: EvalTarget,
     target: str,

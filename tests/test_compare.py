@@ -118,7 +118,7 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys):
     assert {run: (directory / "runs" / run / "summary.json").stat().st_mtime_ns for run in finished} == finished
 
     assert main(compare_args(tmp_path, "--max-kl3", "0.05")) == 2  # a different comparison under the same name
-    assert "holds a different comparison" in capsys.readouterr().err
+    assert "holds a compare with another shared recipe" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -188,3 +188,25 @@ def test_evaluation_entropy_is_the_samples_surprisal(tiny):
     warm = evaluate_model(model, tokenizer, task, problems, temperature=1.0, **kwargs)
     assert np.all(warm.entropy() > 0) and np.all(warm.entropy() < math.log(vocabulary))
     assert warm.lengths.max() <= 4 and warm.nats.shape == (4, 8) and warm.distinct_correct() is None
+
+
+def test_a_kept_result_reads_back_only_under_its_own_key(tmp_path):
+    from atrctl.eval_report import RESULT_ARRAYS, load_result, save_result
+
+    forms = [["1+2", None], [None, None]]
+    result = EvalResult(["a", "b"], 2, np.array([[1, 0], [0, 0]], dtype=np.float32), [["3", None], [None, "4"]],
+                        np.array([True, False]), 1.0, 7, 2.5, [{"problem": "a", "completion": "x"}],
+                        np.array([[1.5, 2.0], [0.1, 0.2]]), np.array([[2, 3], [1, 1]]), forms)  # fmt: skip
+    key = {"model": "m", "settings": {"n": 2}}
+    save_result(tmp_path, key, result)
+    back = load_result(tmp_path, key)
+    assert back is not None and back.parsed == result.parsed and back.forms == forms
+    for name in ("rewards", "greedy", "nats", "lengths"):
+        assert np.array_equal(getattr(back, name), getattr(result, name)), name
+    assert back.summary([1, 2]) == result.summary([1, 2]) and back.completions == result.completions
+    assert load_result(tmp_path, {"model": "m", "settings": {"n": 4}}) is None  # another evaluation
+    save_result(tmp_path / "other", {"model": "other"}, result)
+    (tmp_path / RESULT_ARRAYS).write_bytes((tmp_path / "other" / RESULT_ARRAYS).read_bytes())
+    assert load_result(tmp_path, key) is None  # arrays from another key: refused by their digest
+    (tmp_path / RESULT_ARRAYS).write_bytes(b"not a zip")
+    assert load_result(tmp_path, key) is None and load_result(tmp_path / "nowhere", key) is None
