@@ -140,10 +140,10 @@ def training_figure(runs: dict[str, list[Path]]):
 
 
 MECHANISM_PANELS = (
-    ("clip/low/{bin}", "tokens/neg/{bin}", "clip/low: share of the A<0 tokens whose gradient is removed"),
-    ("clip/high/{bin}", "tokens/pos/{bin}", "clip/high: share of the A>0 tokens whose gradient is removed"),
-    ("dlogp/pos/{bin}", None, "mean Δ log p of the A>0 tokens"),
-    ("dlogp/neg/{bin}", None, "mean Δ log p of the A<0 tokens"),
+    ("clip/low/{bin}", "tokens/neg/{bin}", "clip/low: share of the A<0 tokens\nwhose gradient is removed"),
+    ("clip/high/{bin}", "tokens/pos/{bin}", "clip/high: share of the A>0 tokens\nwhose gradient is removed"),
+    ("dlogp/pos/{bin}", None, "mean Δ log p of the A>0 tokens\n(since the rollout)"),
+    ("dlogp/neg/{bin}", None, "mean Δ log p of the A<0 tokens\n(since the rollout)"),
 )
 
 
