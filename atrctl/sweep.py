@@ -12,12 +12,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from atrctl.arms import Arm, format_value, parse_arm
 from atrctl.compare import Comparison, plan_comparison
-from atrctl.config import Recipe, read_value
+from atrctl.config import read_value
 from atrctl.errors import UserError
 from atrctl.losses import POLICY_LOSSES
 
@@ -68,24 +67,9 @@ def grid_points(loss: str, grids: Sequence[Grid]) -> dict[str, dict[str, Any]]:
     return points
 
 
-def plan_sweep(
-    loss: str,
-    grid_texts: Sequence[str],
-    vs: Sequence[str],
-    *,
-    seeds: int,
-    n: int,
-    problems: int,
-    jobs: int,
-    recipe: Recipe,
-    max_kl3: float | None,
-    eps: float | None,
-    eps_high: float | None,
-    name: str | None,
-    overwrite: bool,
-    results: Path,
-) -> Sweep:
-    """Check every input and resolve the sweep; nothing is written."""
+def plan_sweep(loss: str, grid_texts: Sequence[str], vs: Sequence[str], *, name: str | None, **options) -> Sweep:
+    """Check every input and resolve the sweep; nothing is written.  `options` are `plan_comparison`'s (seeds,
+    n, problems, jobs, recipe, the shared loss flags, overwrite, results)."""
     if loss not in POLICY_LOSSES:
         raise UserError(f"sweep LOSS: '{loss}' is not a registered loss; use one of {', '.join(POLICY_LOSSES)}")
     if not grid_texts:
@@ -97,10 +81,6 @@ def plan_sweep(
     points = grid_points(loss, grids)
     if len(points) + len(vs) < 2:
         raise UserError("a sweep needs two grid points or a --vs arm to compare with")
-    default_name = f"{loss}-" + "-".join(keys)
-    comparison = plan_comparison(
-        [*points, *vs], seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=recipe, max_kl3=max_kl3, eps=eps,
-        eps_high=eps_high, name=name if name is not None else default_name, overwrite=overwrite, results=results,
-        kind="sweep",
-    )  # fmt: skip
+    name = name if name is not None else f"{loss}-" + "-".join(keys)
+    comparison = plan_comparison([*points, *vs], name=name, kind="sweep", **options)
     return Sweep(comparison, loss, grids, points)

@@ -169,3 +169,22 @@ def test_the_pipeline_runs_from_python_without_the_cli(tmp_path):
     assert ks == [1, 2] and [row["row"] for row in rows] == ["grpo", "atr", "atr − grpo"]
     assert {"warmup", "train", "eval grpo-s0", "eval atr-s0"} <= set(shown)
     assert "from python" in (tmp_path / "compare-py" / "report.md").read_text()
+
+
+def test_mechanism_summary_divides_summed_shares_over_every_step_and_seed(tmp_path):
+    from atrctl.compare_report import mechanism_summary
+
+    steps = [
+        {"step": 1, "clip/low/p00-10": 0.02, "tokens/neg/p00-10": 0.10, "dlogp/neg/p00-10": -0.5},
+        {"step": 2, "clip/low/p00-10": 0.00, "tokens/neg/p00-10": 0.10},  # its cell held no dlogp
+    ]
+    other_seed = [{"step": 1, "clip/low/p00-10": 0.06, "tokens/neg/p00-10": 0.20, "dlogp/neg/p00-10": -0.2}]
+    directories = []
+    for name, records in (("s0", steps), ("s1", other_seed)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        directories.append(tmp_path / name)
+    summary = mechanism_summary(directories)
+    assert summary["clip/low/{bin}"][0] == pytest.approx(0.08 / 0.40)  # of the A<0 tokens at p_old < 0.1
+    assert summary["dlogp/neg/{bin}"][0] == pytest.approx(-0.35)  # over the steps that measured it
+    assert np.isnan(summary["clip/high/{bin}"][0]) and np.isnan(summary["dlogp/pos/{bin}"][3])
