@@ -278,10 +278,24 @@ def test_bad_requests_raise_user_error():
         task.problems("validation", 5, 0)
     with pytest.raises(UserError, match="non-negative integer"):
         task.problems("train", -1, 0)
-    with pytest.raises(UserError, match="pass n"):
-        get_task("countdown").problems("train", None, 0)
     with pytest.raises(UserError, match="lower n or raise the limits"):
         get_task("countdown", count=2, max_number=2).problems("train", 50, 0)
+
+
+def test_a_countdown_split_is_all_of_it_once_exhausted():
+    """A trainer's pool asks for more problems than a small countdown holds: it gets the whole split (n = None),
+    of which any smaller request is the start, and every problem is distinct and of its split."""
+    from atrctl.tasks import problem_pool
+    from atrctl.tasks.split import split_of
+
+    task = get_task("countdown", count=2, max_number=6)
+    everything = task.problems("train", None, 0)
+    assert 0 < len(everything) < 200 and problem_pool(task, "train", 10_000, 0) == everything
+    assert task.problems("train", 20, 0) == everything[:20]
+    assert len({p.prompt for p in everything}) == len(everything) and {split_of(p.prompt) for p in everything} == {
+        "train"
+    }
+    assert all(task.score(p, p.solution).reward == 1 for p in everything)
 
 
 def test_verifiers_read_ascii_digits_only():

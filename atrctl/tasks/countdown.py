@@ -20,7 +20,10 @@ from atrctl.tasks.expr import ExprError, evaluate
 from atrctl.tasks.problem import Problem, Score, check_format, check_request, require_int
 from atrctl.tasks.split import split_of
 
-ATTEMPTS_PER_PROBLEM = 1000
+EXHAUSTED_AFTER = 20_000
+"""Draws in a row that find no new problem of the split: the split is then taken as exhausted (what random
+draws would still find is too rare to wait for), so a request for more than exist fails in seconds and a
+request for all of it (n = None, a trainer's pool) returns what was found."""
 _LEAF = 3  # precedence of a bare number; '+'/'-' are 1, '*'/'/' are 2
 
 Node = tuple[str, int, int]  # (text, value, precedence)
@@ -53,13 +56,11 @@ class CountdownTask:
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
         check_request(split, n)
-        if n is None:
-            raise UserError("countdown generates its problems; pass n (how many)")
         rng = random.Random(seed)
         found: dict[str, Problem] = {}
-        for _ in range(ATTEMPTS_PER_PROBLEM * (n + 1)):
-            if len(found) == n:
-                break
+        misses = 0
+        while len(found) != n and misses < EXHAUSTED_AFTER:
+            misses += 1
             numbers = [rng.randint(1, self.max_number) for _ in range(self.count)]
             node = _random_tree(numbers, rng)
             if node is None or node[1] > self.max_target or node[1] in numbers:
@@ -67,7 +68,8 @@ class CountdownTask:
             prompt = f"{','.join(map(str, sorted(numbers)))}>{node[1]}:"
             if prompt not in found and split_of(prompt) == split:
                 found[prompt] = self._problem(prompt, sorted(numbers), node)
-        if len(found) < n:
+                misses = 0
+        if n is not None and len(found) < n:
             raise UserError(
                 f"found only {len(found)} distinct countdown {split} problems with count={self.count}, "
                 f"max_number={self.max_number}, max_target={self.max_target}; lower n or raise the limits"
