@@ -80,3 +80,17 @@ def test_one_step_of_the_recipe_runs_on_a_stand_in(name, stand_in, tmp_path):
     record = json.loads((run / "metrics.jsonl").read_text())
     assert record["step"] == 1 and "eval/greedy" in record and record["lr"] == pytest.approx(1e-7)  # warm-up 1/10
     assert (run / "model" / "model.safetensors").is_file() and (run / "checkpoint" / "state.json").is_file()
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.toml")), ids=lambda p: p.stem)
+def test_every_shipped_recipe_reads_and_its_algorithm_validates(path):
+    from atrctl.train import validate_algo
+
+    validate_algo(load_recipe(path))
+
+
+@pytest.mark.parametrize("name", ["offpolicy", "offpolicy-countdown"])
+def test_the_off_policy_recipes_reuse_each_rollout_for_sixteen_optimiser_steps(name):
+    recipe = load_recipe(RECIPES / f"{name}.toml")
+    assert (recipe.algo.num_iterations, recipe.algo.minibatches, recipe.run.steps) == (2, 8, 150)
+    assert recipe.rollout.prompts % recipe.algo.minibatches == 0
