@@ -70,6 +70,8 @@ def passk_table(summary: dict, ks: Sequence[int], title: str) -> Table:
     table.caption = (
         f"avg@n {summary['avg@n']:.4f}  greedy {summary['greedy']:.4f}  seed {summary['seed']}  "
         f"{summary['seconds']:.1f} s"
+        + (f"  entropy {summary['entropy']:.4f} nats/token" if "entropy" in summary else "")
+        + (f"  distinct correct {summary['distinct correct']:.2f}" if "distinct correct" in summary else "")
     )
     for column in ("k", "pass@k", "95% CI", "maj@k"):
         table.add_column(column, justify="right")
