@@ -127,7 +127,7 @@ def parameter_figure(sweep, rows: Sequence[dict], metrics: Sequence[str]):
     the reference arms as horizontal bands (their interval, or their seed range)."""
     from matplotlib.figure import Figure
 
-    panels = [*metrics, *TRAINING[:4]]
+    panels = [*metrics, *TRAINING]
     columns = 4
     fig = Figure(figsize=(4.2 * columns, 3.6 * -(-len(panels) // columns)), layout="constrained")
     axes = fig.subplots(-(-len(panels) // columns), columns, squeeze=False).ravel()
