@@ -1,0 +1,18 @@
+"""atrctl's trust regions inside other trainers.  Each integration imports its trainer only when it is used:
+`import atrctl`, the CLI and the core never import TRL or verl."""
+
+from __future__ import annotations
+
+import importlib
+
+from atrctl.errors import UserError
+
+
+def require(module: str, extra: str, what: str):
+    """The trainer's module, or one line naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(
+            f'{what} needs {module}, which is not installed: pip install torch==2.13.0 -e ".[{extra}]"'
+        ) from None
