@@ -109,6 +109,7 @@ def test_atr_through_atrctl_equals_trls_own_loss_with_the_equivalent_clip(tmp_pa
     assert clipped["atrctl/clip/low"][0] > 0 and clipped["atrctl/clip/high"][0] > 0  # both sides of the region bind
 
 
+@pytest.mark.slow
 def test_three_steps_with_atr_grpo_config_equal_the_epsilons_set_by_hand(tmp_path, model_dir):
     eps_low, eps_high = equivalent_clip(0.1)
     runs = []
@@ -122,6 +123,7 @@ def test_three_steps_with_atr_grpo_config_equal_the_epsilons_set_by_hand(tmp_pat
     assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
 
 
+@pytest.mark.slow
 def test_a_band_loss_trains_in_trl_and_logs_atrctls_diagnostics(tmp_path, model_dir):
     run = trainer(AtrctlGRPOTrainer, model_dir, config(tmp_path, num_iterations=2), atrctl_loss="tv-band",
                   loss_params={"delta": 0.1})  # fmt: skip

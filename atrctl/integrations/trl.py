@@ -63,17 +63,9 @@ def _trainer_class():
         def __init__(self, *args, atrctl_loss: str = "atr", loss_params: dict | None = None,
                      agg: str = "token-mean", **kwargs):  # fmt: skip
             self.atrctl_loss, self.atrctl_params, self.atrctl_agg = atrctl_loss, dict(loss_params or {}), agg
-            probe = torch.zeros(1, 1)
-            policy_loss(
-                probe,
-                probe,
-                torch.zeros(1),
-                torch.ones(1, 1),
-                algo=atrctl_loss,
-                agg=agg,
-                max_new_tokens=1,
-                **self.atrctl_params,
-            )  # fmt: skip  (bad names or values fail here)
+            probe = torch.zeros(1, 1)  # one token through the loss: bad names or values fail before TRL starts
+            policy_loss(probe, probe, torch.zeros(1), torch.ones(1, 1), algo=atrctl_loss, agg=agg, max_new_tokens=1,
+                        **self.atrctl_params)  # fmt: skip
             super().__init__(*args, **kwargs)
 
         def _compute_loss(self, model, inputs):
