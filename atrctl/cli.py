@@ -543,6 +543,34 @@ def sweep(
     console.print(f"report: {planned.comparison.directory / 'report.md'}")
 
 
+# ------------------------------------------------------------------ export
+
+
+@app.command()
+def export(
+    arm: Annotated[
+        str, typer.Argument(help="The loss and its parameters, as an arm: atr, atr:max_kl3=0.05, tv-band:delta=0.1.")
+    ] = "atr",
+    to: Annotated[str, typer.Option("--to", help="trl (Python) or verl (Hydra overrides).")] = "trl",
+    max_kl3: Annotated[float | None, typer.Option(help="δ of atr, unless the arm sets it.")] = None,
+    eps: Annotated[float | None, typer.Option(help="ε of grpo (ε_low of dapo), unless the arm sets it.")] = None,
+    eps_high: Annotated[float | None, typer.Option(help="ε_high of dapo, unless the arm sets it.")] = None,
+) -> None:
+    """Print the settings that train a loss inside TRL or verl (e.g. `atrctl export --to verl --max-kl3 0.05`)."""
+    import dataclasses
+
+    from atrctl.arms import parse_arm
+    from atrctl.export import export as snippet
+    from atrctl.losses import flag_parameters, loss_parameters
+
+    parsed = parse_arm(arm)
+    if parsed.loss is None:
+        raise UserError(f"export takes a loss such as atr or tv-band:delta=0.1, not the run {arm}")
+    flags = flag_parameters(parsed.loss, max_kl3, eps, eps_high)
+    params = {**{k: v for k, v in flags.items() if k in loss_parameters(parsed.loss)}, **dict(parsed.params)}
+    print(snippet(dataclasses.replace(parsed, params=tuple(params.items())), to), end="")
+
+
 # --------------------------------------------------------------------- entry
 
 

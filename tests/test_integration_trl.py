@@ -153,3 +153,32 @@ def test_a_missing_trl_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "not_a_trainer", None)
     with pytest.raises(UserError, match=r'pip install torch==2.13.0 -e "\.\[trl\]"'):
         require("not_a_trainer", "trl", "atrctl.integrations.trl")
+
+
+def test_the_readme_trl_example_runs_on_the_tiny_model(tmp_path, model_dir, monkeypatch):
+    """The README's TRL block as written, with the model swapped for the tiny one and one CPU step each."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = re.search(r"<!-- trl-example -->\n```python\n(.*?)```", readme, re.S)[1]
+    assert code.count('"Qwen/Qwen2.5-0.5B-Instruct"') == 1 and code.count('output_dir="grpo-atr"') == 1
+    code = code.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(model_dir))).replace(
+        'output_dir="grpo-atr"', f'output_dir={str(tmp_path)!r}, use_cpu=True, max_steps=1, report_to="none", '
+        "per_device_train_batch_size=8, save_strategy=\"no\", disable_tqdm=True"
+    )  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+
+
+def test_export_for_trl_is_python_that_builds_the_regions_config(monkeypatch):
+    import functools
+
+    from atrctl.arms import parse_arm
+    from atrctl.export import export
+
+    monkeypatch.setattr(trl, "GRPOConfig", functools.partial(trl.GRPOConfig, use_cpu=True))  # this CPU has no bf16
+    namespace = {}
+    exec(export(parse_arm("atr:max_kl3=0.05"), "trl"), namespace)
+    assert (namespace["config"].epsilon, namespace["config"].epsilon_high) == equivalent_clip(0.05)
+    assert namespace["config"].loss_type == "dapo"

@@ -1,0 +1,91 @@
+"""`atrctl export`: the settings that train an atrctl loss inside another trainer, as text to paste.
+
+A constant trust region is one clip range in every PPO-style trainer: [l, u] becomes TRL's
+epsilon = 1 − l / epsilon_high = u − 1 and verl's clip_ratio_low / clip_ratio_high, with the token-mean
+aggregation atrctl defaults to.  Anything else (per-token bands, gspo, cispo, a dual clip) needs atrctl's
+own loss inside the trainer: for TRL that is `atrctl.integrations.trl.AtrctlGRPOTrainer`; verl has no such
+hook here yet, so those are refused for verl.
+"""
+
+from __future__ import annotations
+
+from atrctl.arms import Arm
+from atrctl.divergence import TRUST_REGIONS, trust_region
+from atrctl.errors import UserError
+from atrctl.losses import loss_parameters
+
+TARGETS = ("trl", "verl")
+
+
+def constant_region(arm: Arm) -> tuple[float, float] | None:
+    """[l, u] of an arm whose loss is a constant trust region without a dual clip, else None."""
+    params = {**loss_parameters(arm.loss), **dict(arm.params)}
+    if arm.loss not in TRUST_REGIONS or params.get("dual_clip") is not None:
+        return None
+    return trust_region(arm.loss, **{k: v for k, v in params.items() if k != "dual_clip"})
+
+
+def describe(arm: Arm, region: tuple[float, float] | None) -> str:
+    shown = ", ".join(f"{k}={v}" for k, v in {**loss_parameters(arm.loss), **dict(arm.params)}.items() if v is not None)
+    where = f": ratio interval [{region[0]:.6f}, {region[1]:.6f}]" if region else ""
+    return f"{arm.loss} ({shown}){where}"
+
+
+def export(arm: Arm, target: str) -> str:
+    """The snippet for `target` ("trl": Python, "verl": Hydra overrides) that trains `arm`'s loss."""
+    if target not in TARGETS:
+        raise UserError(f"--to {target!r}: choose one of {', '.join(TARGETS)}")
+    if arm.overrides:
+        raise UserError(f"export takes a loss and its parameters, not recipe keys ({arm.overrides[0][0]})")
+    try:
+        region = constant_region(arm)
+    except ValueError as error:
+        raise UserError(f"{arm.label}: {error}") from None
+    if target == "trl":
+        return _trl(arm, region)
+    if region is None:
+        raise UserError(
+            f"{arm.loss} is not one constant clip range, and atrctl has no verl integration yet that would run its "
+            "own loss inside verl; export a constant trust region (grpo, dapo, atr, kl2, reverse-kl3, divergence)"
+        )
+    return _verl(arm, region)
+
+
+def _trl(arm: Arm, region: tuple[float, float] | None) -> str:
+    if region is not None:
+        low, high = region
+        return f"""from trl import GRPOConfig
+
+# {describe(arm, region)}, as TRL's clip range
+config = GRPOConfig(
+    output_dir="grpo-{arm.loss}",  # and your other settings
+    loss_type="dapo",  # token-mean, atrctl's default aggregation
+    epsilon={1.0 - low!r},  # 1 - l
+    epsilon_high={high - 1.0!r},  # u - 1
+)
+"""
+    params = {k: v for k, v in arm.params}
+    return f"""from trl import GRPOConfig
+
+from atrctl.integrations.trl import AtrctlGRPOTrainer
+
+# {describe(arm, None)}: not one clip range, so atrctl's own loss runs inside TRL's trainer
+config = GRPOConfig(output_dir="grpo-{arm.loss}")  # and your other settings; its epsilon is not used
+trainer = AtrctlGRPOTrainer(
+    model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset,  # yours
+    atrctl_loss={arm.loss!r}, loss_params={params!r},
+)
+"""
+
+
+def _verl(arm: Arm, region: tuple[float, float]) -> str:
+    low, high = region
+    return f"""# {describe(arm, region)}, as verl's clip range (Hydra overrides for verl's trainer)
+actor_rollout_ref.actor.policy_loss.loss_mode=vanilla
+actor_rollout_ref.actor.loss_agg_mode=token-mean
+actor_rollout_ref.actor.clip_ratio_low={1.0 - low!r}
+actor_rollout_ref.actor.clip_ratio_high={high - 1.0!r}
+# verl's dual clip (clip_ratio_c, default 3) also caps the loss of A < 0 tokens with w > c; atrctl's {arm.loss}
+# has none, so set it out of reach to train the same loss:
+actor_rollout_ref.actor.clip_ratio_c=1000000000.0
+"""
