@@ -3,8 +3,8 @@
 A constant trust region is one clip range in every PPO-style trainer: [l, u] becomes TRL's
 epsilon = 1 − l / epsilon_high = u − 1 and verl's clip_ratio_low / clip_ratio_high, with the token-mean
 aggregation atrctl defaults to.  Anything else (per-token bands, gspo, cispo, a dual clip) needs atrctl's
-own loss inside the trainer: for TRL that is `atrctl.integrations.trl.AtrctlGRPOTrainer`; verl has no such
-hook here yet, so those are refused for verl.
+own loss inside the trainer: `atrctl.integrations.trl.AtrctlGRPOTrainer` for TRL, and for verl the loss
+registered in verl's policy-loss registry by `atrctl.integrations.verl.register`.
 """
 
 from __future__ import annotations
@@ -43,12 +43,7 @@ def export(arm: Arm, target: str) -> str:
         raise UserError(f"{arm.label}: {error}") from None
     if target == "trl":
         return _trl(arm, region)
-    if region is None:
-        raise UserError(
-            f"{arm.loss} is not one constant clip range, and atrctl has no verl integration yet that would run its "
-            "own loss inside verl; export a constant trust region (grpo, dapo, atr, kl2, reverse-kl3, divergence)"
-        )
-    return _verl(arm, region)
+    return _verl(arm, region) if region is not None else _verl_registered(arm)
 
 
 def _trl(arm: Arm, region: tuple[float, float] | None) -> str:
@@ -75,6 +70,21 @@ trainer = AtrctlGRPOTrainer(
     model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset,  # yours
     atrctl_loss={arm.loss!r}, loss_params={params!r},
 )
+"""
+
+
+def _verl_registered(arm: Arm) -> str:
+    if arm.loss in ("gspo", "cispo"):
+        raise UserError(f"verl has its own {arm.loss} (loss_mode={arm.loss}); atrctl's does not replace it")
+    registered = f"register(**{{{arm.loss!r}: {dict(arm.params)!r}}})"
+    return f"""# {describe(arm, None)}: not one clip range, so atrctl's own loss runs inside verl.
+# 1. a module verl can import, e.g. atrctl_losses.py:
+#        from atrctl.integrations.verl import register
+#        {registered}
+# 2. VERL_USE_EXTERNAL_MODULES=atrctl_losses in the environment (verl imports it in every process)
+# 3. the overrides:
+actor_rollout_ref.actor.policy_loss.loss_mode={arm.loss}
+actor_rollout_ref.actor.loss_agg_mode=token-mean
 """
 
 

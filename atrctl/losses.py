@@ -418,6 +418,20 @@ def policy_loss(
     return LossOutput(loss, _metrics(tokens, loss, clip_metrics, extra))
 
 
+def token_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, algo: str = "atr",
+                 **params) -> LossOutput:  # fmt: skip
+    """The per-token policy loss of `algo` before aggregation ([B, T] float32, 0 at padding) and the diagnostics
+    of `policy_loss` (their `loss` is the token mean): for a trainer that aggregates on its own, such as verl's
+    agg_loss with its global token counts."""
+    if algo not in POLICY_LOSSES:
+        raise ValueError(f"unknown algo {algo!r}; choose one of {', '.join(POLICY_LOSSES)}")
+    _check_params(algo, params)
+    tokens = _prepare(logp, old_logp, advantages, mask)
+    token_loss, clip_metrics = POLICY_LOSSES[algo](tokens, **params)
+    token_loss = torch.where(tokens.mask, token_loss, 0.0)
+    return LossOutput(token_loss, _metrics(tokens, aggregate(token_loss, tokens.mask), clip_metrics, {}))
+
+
 def _check_params(algo: str, params: dict) -> None:
     """Unknown parameter names fail loudly, naming the ones the loss takes (`loss_parameters`); a loss that
     takes **kwargs checks its own."""

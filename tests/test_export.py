@@ -38,8 +38,13 @@ def test_losses_that_are_not_one_clip_range():
         arm = parse_arm(text)
         assert constant_region(arm) is None
         assert f"atrctl_loss={arm.loss!r}" in export(arm, "trl")
-        with pytest.raises(UserError, match="no verl integration yet"):
-            export(arm, "verl")
+    band = export(parse_arm("tv-band:delta=0.1"), "verl")
+    assert "register(**{'tv-band': {'delta': 0.1}})" in band
+    assert overrides(band) == {"actor_rollout_ref.actor.policy_loss.loss_mode": "tv-band",
+                               "actor_rollout_ref.actor.loss_agg_mode": "token-mean"}  # fmt: skip
+    assert "loss_mode=grpo" in export(parse_arm("grpo:dual_clip=3"), "verl")
+    with pytest.raises(UserError, match="verl has its own gspo"):
+        export(parse_arm("gspo"), "verl")
     with pytest.raises(UserError, match="choose one of trl, verl"):
         export(parse_arm("atr"), "openrlhf")
     with pytest.raises(UserError, match="not recipe keys"):
@@ -51,8 +56,8 @@ def test_the_command_prints_the_snippet_and_refuses_in_one_line(capsys):
     assert f"clip_ratio_low={equivalent_clip(0.05)[0]!r}" in capsys.readouterr().out
     assert main(["export", "grpo:eps=0.1", "--eps", "0.3", "--to", "verl"]) == 0  # the arm's own value wins
     assert "clip_ratio_high=0.1" in capsys.readouterr().out
-    assert main(["export", "tv-band", "--to", "verl"]) == 2
+    assert main(["export", "cispo", "--to", "verl"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: tv-band is not one constant clip range") and "\n" not in err
+    assert err.startswith("error: verl has its own cispo") and "\n" not in err
     assert main(["export", "atr:max_kl3=-1"]) == 2
     assert "max_kl3" in capsys.readouterr().err

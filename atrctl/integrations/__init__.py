@@ -8,11 +8,9 @@ import importlib
 from atrctl.errors import UserError
 
 
-def require(module: str, extra: str, what: str):
-    """The trainer's module, or one line naming the extra that installs it."""
+def require(module: str, install: str, what: str):
+    """The trainer's module, or one line saying how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UserError(
-            f'{what} needs {module}, which is not installed: pip install torch==2.13.0 -e ".[{extra}]"'
-        ) from None
+        raise UserError(f"{what} needs {module}, which is not installed: {install}") from None

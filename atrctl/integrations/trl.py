@@ -25,14 +25,14 @@ from atrctl.divergence import trust_region
 from atrctl.integrations import require
 from atrctl.losses import finish_metrics, metric_reduction, policy_loss
 
-WHAT = "atrctl.integrations.trl"
+WHAT, INSTALL = "atrctl.integrations.trl", 'pip install torch==2.13.0 -e ".[trl]"'
 
 
 def region_grpo_config(name: str = "atr", region: dict | None = None, **config):
     """A `trl.GRPOConfig` whose clip range is the constant trust region `name` with parameters `region`
     (`atrctl.divergence.trust_region`), with TRL's token-mean clipped loss ("dapo") unless `loss_type` is given;
     every other keyword goes to GRPOConfig as it is."""
-    trl = require("trl", "trl", WHAT)
+    trl = require("trl", INSTALL, WHAT)
     clashing = sorted({"epsilon", "epsilon_high"} & set(config))
     if clashing:
         raise ValueError(f"{', '.join(clashing)} come from the trust region {name!r}: leave them out")
@@ -48,7 +48,7 @@ def atr_grpo_config(max_kl3: float = 0.1, **config):
 @functools.cache
 def _trainer_class():
     """AtrctlGRPOTrainer, defined on first use so that importing this module does not import TRL."""
-    trl = require("trl", "trl", WHAT)
+    trl = require("trl", INSTALL, WHAT)
 
     class AtrctlGRPOTrainer(trl.GRPOTrainer):
         """TRL's GRPOTrainer with atrctl's policy loss: any registered loss and aggregation.
