@@ -446,7 +446,7 @@ def compare(
     import shlex
 
     from atrctl import display
-    from atrctl.compare import plan_comparison, run_comparison
+    from atrctl.compare import plan_comparison
     from atrctl.config import load_recipe
 
     display.quiet_libraries()
@@ -466,16 +466,23 @@ def compare(
         results=results,
     )
     command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
+    _run_and_show(comparison, display.compare_table, n=n, problems=problems, jobs=jobs, results=results,
+                  command=command)  # fmt: skip
+
+
+def _run_and_show(comparison, table, report=None, **options) -> None:
+    """`run_comparison` under progress bars, then its table and where the report is; Ctrl-C says how to resume."""
+    from atrctl import display
+    from atrctl.compare import run_comparison
+
     try:
         with display.phase_bars() as advance:
-            rows, ks = run_comparison(
-                comparison, n=n, problems=problems, jobs=jobs, results=results, command=command, advance=advance
-            )
+            rows, ks = run_comparison(comparison, advance=advance, report=report, **options)
     except KeyboardInterrupt:
         stderr.print(f"interrupted: rerun the same command without --overwrite to resume the runs in "
                      f"{comparison.directory}")  # fmt: skip
         raise typer.Exit(130) from None
-    console.print(display.compare_table(rows, ks))
+    console.print(table(rows, ks))
     console.print(f"report: {comparison.directory / 'report.md'}")
 
 
@@ -514,7 +521,6 @@ def sweep(
     import shlex
 
     from atrctl import display
-    from atrctl.compare import run_comparison
     from atrctl.config import load_recipe
     from atrctl.sweep import plan_sweep
     from atrctl.sweep_report import write_sweep_report
@@ -529,18 +535,8 @@ def sweep(
     report = lambda comparison, evaluations, ks, text, seconds: write_sweep_report(  # noqa: E731
         planned, evaluations, ks, text, seconds
     )
-    try:
-        with display.phase_bars() as advance:
-            rows, ks = run_comparison(
-                planned.comparison, n=n, problems=problems, jobs=jobs, results=results, command=command,
-                advance=advance, report=report,
-            )  # fmt: skip
-    except KeyboardInterrupt:
-        stderr.print(f"interrupted: rerun the same command without --overwrite to resume the runs in "
-                     f"{planned.comparison.directory}")  # fmt: skip
-        raise typer.Exit(130) from None
-    console.print(display.sweep_results_table(rows, ks))
-    console.print(f"report: {planned.comparison.directory / 'report.md'}")
+    _run_and_show(planned.comparison, display.sweep_results_table, report, n=n, problems=problems, jobs=jobs,
+                  results=results, command=command)  # fmt: skip
 
 
 # ------------------------------------------------------------------ export
