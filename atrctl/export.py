@@ -74,16 +74,16 @@ trainer = AtrctlGRPOTrainer(
 
 
 def _verl_registered(arm: Arm) -> str:
-    if arm.loss in ("gspo", "cispo"):
-        raise UserError(f"verl has its own {arm.loss} (loss_mode={arm.loss}); atrctl's does not replace it")
-    registered = f"register(**{{{arm.loss!r}: {dict(arm.params)!r}}})"
+    if arm.loss in ("gspo", "cispo") and not arm.params:
+        raise UserError(f"verl has its own {arm.loss} (loss_mode={arm.loss}); atrctl's runs there only as an arm "
+                        f"with parameters, e.g. {arm.loss}:eps_high=0.3")  # fmt: skip
     return f"""# {describe(arm, None)}: not one clip range, so atrctl's own loss runs inside verl.
 # 1. a module verl can import, e.g. atrctl_losses.py:
 #        from atrctl.integrations.verl import register
-#        {registered}
+#        register({arm.label!r})
 # 2. VERL_USE_EXTERNAL_MODULES=atrctl_losses in the environment (verl imports it in every process)
-# 3. the overrides:
-actor_rollout_ref.actor.policy_loss.loss_mode={arm.loss}
+# 3. the overrides (the loss mode is the arm's label, quoted for Hydra; in a YAML file: loss_mode: "{arm.label}"):
+'actor_rollout_ref.actor.policy_loss.loss_mode="{arm.label}"'
 actor_rollout_ref.actor.loss_agg_mode=token-mean
 """
 

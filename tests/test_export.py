@@ -39,10 +39,11 @@ def test_losses_that_are_not_one_clip_range():
         assert constant_region(arm) is None
         assert f"atrctl_loss={arm.loss!r}" in export(arm, "trl")
     band = export(parse_arm("tv-band:delta=0.1"), "verl")
-    assert "register(**{'tv-band': {'delta': 0.1}})" in band
-    assert overrides(band) == {"actor_rollout_ref.actor.policy_loss.loss_mode": "tv-band",
+    assert "register('tv-band:delta=0.1')" in band
+    assert overrides(band) == {"'actor_rollout_ref.actor.policy_loss.loss_mode": '"tv-band:delta=0.1"\'',
                                "actor_rollout_ref.actor.loss_agg_mode": "token-mean"}  # fmt: skip
-    assert "loss_mode=grpo" in export(parse_arm("grpo:dual_clip=3"), "verl")
+    assert 'loss_mode="grpo:dual_clip=3"' in export(parse_arm("grpo:dual_clip=3"), "verl")
+    assert 'loss_mode="gspo:eps_high=0.001"' in export(parse_arm("gspo:eps_high=1e-3"), "verl")
     with pytest.raises(UserError, match="verl has its own gspo"):
         export(parse_arm("gspo"), "verl")
     with pytest.raises(UserError, match="choose one of trl, verl"):

@@ -43,28 +43,30 @@ def test_atr_through_verls_registry_equals_vanilla_with_the_equivalent_clip(agg)
     assert removed == pytest.approx(their_metrics["actor/pg_clipfrac"], abs=1e-6)
 
 
-def test_parameters_come_from_the_config_then_register_then_atrctl():
+def vanilla_loss(max_kl3, old, logp, advantages, mask):
+    eps_low, eps_high = equivalent_clip(max_kl3)
+    config = actor(clip_ratio_low=eps_low, clip_ratio_high=eps_high, clip_ratio_c=1e9)
+    return core.get_policy_loss_fn("vanilla")(old, logp, advantages, mask, "token-mean", config)[0].item()
+
+
+def test_an_arm_label_is_a_loss_mode_that_carries_its_parameters():
     from omegaconf import OmegaConf
 
-    register(atr={"max_kl3": 0.05})
+    assert register("atr:max_kl3=0.05", "gspo:eps_low=1e-4")[-2:] == ["atr:max_kl3=0.05", "gspo:eps_low=0.0001"]
     old, logp, advantages, mask = batch(1)
-    loss = core.get_policy_loss_fn("atr")
-    eps_low, eps_high = equivalent_clip(0.05)
-    vanilla = core.get_policy_loss_fn("vanilla")(
-        old, logp, advantages, mask, "token-mean",
-        actor(clip_ratio_low=eps_low, clip_ratio_high=eps_high, clip_ratio_c=1e9),
-    )[0]  # fmt: skip
-    assert loss(old, logp, advantages, mask, "token-mean", actor())[0].item() == pytest.approx(vanilla.item(), rel=1e-6)
-    dict_config = OmegaConf.create({"policy_loss": {"loss_mode": "atr", "max_kl3": 0.2}, "global_batch_info": {}})
-    eps_low, eps_high = equivalent_clip(0.2)
-    wider = core.get_policy_loss_fn("vanilla")(
-        old, logp, advantages, mask, "token-mean",
-        actor(clip_ratio_low=eps_low, clip_ratio_high=eps_high, clip_ratio_c=1e9),
-    )[0]  # fmt: skip
-    assert loss(old, logp, advantages, mask, "token-mean", dict_config)[0].item() == pytest.approx(
-        wider.item(), rel=1e-6
+    atr = core.get_policy_loss_fn("atr:max_kl3=0.05")
+    assert atr(old, logp, advantages, mask, "token-mean", actor())[0].item() == pytest.approx(
+        vanilla_loss(0.05, old, logp, advantages, mask), rel=1e-6
     )
-    register()  # back to atrctl's defaults for the other tests
+    assert core.get_policy_loss_fn("atr")(old, logp, advantages, mask, "token-mean", actor())[
+        0
+    ].item() == pytest.approx(
+        vanilla_loss(0.1, old, logp, advantages, mask), rel=1e-6
+    )  # the plain name keeps atrctl's default
+    dict_config = OmegaConf.create({"policy_loss": {"loss_mode": "atr", "max_kl3": 0.2}, "global_batch_info": {}})
+    assert atr(old, logp, advantages, mask, "token-mean", dict_config)[0].item() == pytest.approx(
+        vanilla_loss(0.2, old, logp, advantages, mask), rel=1e-6
+    )  # a DictConfig's own entry wins
 
 
 @pytest.mark.parametrize("name", ["tv-band", "kl-band", "kl2", "reverse-kl3", "divergence"])
@@ -78,7 +80,11 @@ def test_the_band_and_divergence_losses_run_in_verl(name):
 
 
 def test_register_refuses_an_unknown_loss_or_a_bad_value():
-    with pytest.raises(ValueError, match="no atrctl loss 'ppo'"):
-        register(ppo={})
+    from atrctl.errors import UserError
+
+    with pytest.raises(UserError, match="'ppo' is not a loss"):
+        register("ppo:eps=0.1")
     with pytest.raises(ValueError, match="max_kl3"):
-        register(atr={"max_kl3": -1})
+        register("atr:max_kl3=-1")
+    with pytest.raises(UserError, match="not 'atr:algo.minibatches=2'"):
+        register("atr:algo.minibatches=2")

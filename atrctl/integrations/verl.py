@@ -1,22 +1,24 @@
 """atrctl's losses inside verl's policy-loss registry (verl >= 0.9).
 
     from atrctl.integrations.verl import register
-    register()                                   # atr, grpo, dapo, kl2, reverse-kl3, divergence, tv-band, kl-band
-    register(atr={"max_kl3": 0.05})              # with other default parameters
+    register()                            # atr, grpo, dapo, kl2, reverse-kl3, divergence, tv-band, kl-band
+    register("atr:max_kl3=0.05", "tv-band:delta=0.1")     # also these arms, under their labels
 
-after which verl's `actor_rollout_ref.actor.policy_loss.loss_mode=atr` selects ATR-GRPO.  verl imports plugin
-modules named in VERL_USE_EXTERNAL_MODULES at start-up, so a module of yours that calls `register` can be put
-there.  A loss's parameters are read, by their atrctl names, from the actor's `policy_loss` config where it has
-them (a DictConfig with `+actor_rollout_ref.actor.policy_loss.max_kl3=0.05`), else from `register`'s values,
-else atrctl's defaults.  The per-token loss is atrctl's (`losses.token_losses`); aggregation is verl's own
-`agg_loss` with its global batch counts, so data-parallel scaling is verl's.  Names verl already has (gspo,
-cispo) keep verl's implementation.
+after which verl's `actor_rollout_ref.actor.policy_loss.loss_mode=atr` selects ATR-GRPO at atrctl's default
+δ, and `loss_mode='atr:max_kl3=0.05'` at δ = 0.05: the loss mode is the one field of verl's (structured,
+fixed) policy-loss config that takes any value, so an arm's label carries its parameters there.  verl imports
+the modules named in VERL_USE_EXTERNAL_MODULES in every process at start-up, so a module of yours that calls
+`register` goes there.  Where the actor config is a DictConfig its `policy_loss` entries of a parameter's name
+are read too (they win over the label's).  The per-token loss is atrctl's (`losses.token_losses`); the
+aggregation is verl's own `agg_loss` with its global batch counts, so data-parallel scaling is verl's.  Names
+verl already has (gspo, cispo) keep verl's implementation; an arm of them (`gspo:eps_low=1e-4`) is atrctl's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from atrctl.errors import UserError
 from atrctl.integrations import require
 from atrctl.losses import POLICY_LOSSES, finish_metrics, loss_parameters, token_losses
 
@@ -24,22 +26,27 @@ WHAT = "atrctl.integrations.verl"
 INSTALL = "pip install verl (or only its loss code: pip install --no-deps -r requirements/verl-loss.txt)"
 
 
-def register(**parameters: dict) -> list[str]:
+def register(*arms: str) -> list[str]:
     """Add every atrctl loss verl does not already have to verl's policy-loss registry under its atrctl name,
-    with `parameters[name]` as its defaults; returns the names added (registering again replaces them)."""
+    and each of `arms` (`LOSS:key=value,…`) under its label with its parameters; returns the names added
+    (registering again replaces them).  Bad arms or values fail here, before verl trains."""
+    from atrctl.arms import parse_arm
+
     core = require("verl.trainer.ppo.core_algos", INSTALL, WHAT)
-    unknown = sorted(set(parameters) - set(POLICY_LOSSES))
-    if unknown:
-        raise ValueError(f"no atrctl loss {unknown[0]!r}; the losses: {', '.join(POLICY_LOSSES)}")
-    probe, added = torch.zeros(1, 1), []
-    for name in POLICY_LOSSES:
-        existing = core.POLICY_LOSS_REGISTRY.get(name)
-        if existing is not None and not getattr(existing, "atrctl", False):
-            continue  # verl's own gspo / cispo
-        token_losses(probe, probe, probe[0], probe, algo=name, **parameters.get(name, {}))  # bad values fail here
-        core.register_policy_loss(name)(_verl_loss(name, dict(parameters.get(name, {})), core.agg_loss))
-        added.append(name)
-    return added
+    registry = core.POLICY_LOSS_REGISTRY
+    ours = [name for name in POLICY_LOSSES if name not in registry or getattr(registry[name], "atrctl", False)]
+    entries = [(name, name, {}) for name in ours]  # verl's own gspo and cispo stay
+    for text in arms:
+        arm = parse_arm(text)
+        if arm.loss is None or arm.overrides:
+            raise UserError(f"register takes losses with their parameters, e.g. atr:max_kl3=0.05; not {text!r}")
+        entries.append((arm.label, arm.loss, dict(arm.params)))
+    probe = torch.zeros(1, 1)
+    for _, loss, defaults in entries:
+        token_losses(probe, probe, probe[0], probe, algo=loss, **defaults)  # bad values fail here
+    for label, loss, defaults in entries:
+        core.register_policy_loss(label)(_verl_loss(loss, defaults, core.agg_loss))
+    return [label for label, _, _ in entries]
 
 
 def _verl_loss(name: str, defaults: dict, agg_loss):
