@@ -28,6 +28,10 @@ REGIME_SECTIONS = ("algo", "optim", "rollout")
 """Recipe sections an arm may change.  The others (task, model, warmup, eval, run) are what makes arms
 comparable: the same base, problems, evaluation and steps for all."""
 
+EVALUATED_WITH = ("rollout.max_new_tokens", "rollout.backend")
+"""Regime keys a run's evaluation also reads (its completion budget and sampler): per arm, they would make the
+arms' evaluations differ, so they stay shared."""
+
 SYNTAX = "write LOSS[:key=value[,key=value…]], e.g. grpo:eps=0.1 or atr:max_kl3=0.05,algo.num_iterations=2"
 
 
@@ -79,12 +83,16 @@ def parse_arm(text: str) -> Arm:
             raise UserError(f"arm '{text}' sets {key} twice")
         seen.add(key)
         value = read_value(raw)
+        if not isinstance(value, int | float | str):
+            raise UserError(f"arm '{text}': {key}={raw} is not a number or a word")
         if "." not in key:
             if key not in taken:
                 raise UserError(
                     f"arm '{text}': {loss} takes no parameter '{key}'; its parameters: {_parameter_list(loss)} "
                     f"(or a recipe key such as algo.num_iterations=2)"
                 )
+            if isinstance(value, bool) and not isinstance(taken[key], bool):
+                raise UserError(f"arm '{text}': {key} is a number, not {raw}")
             params.append((key, value))
         else:
             _check_regime_key(text, key)
@@ -110,6 +118,9 @@ def _check_regime_key(text: str, key: str) -> None:
         )
     if not field or "." in field:
         raise UserError(f"arm '{text}': '{key}' is not a recipe key; write section.key=value")
+    if key in EVALUATED_WITH:
+        raise UserError(f"arm '{text}' sets {key}, which the evaluation of every arm uses too; set it for all "
+                        "arms with --set or --recipe")  # fmt: skip
 
 
 def parse_arms(texts: Sequence[str]) -> list[Arm]:
@@ -141,10 +152,17 @@ def arm_recipe(recipe: Recipe, arm: Arm, base: str, loss_args: dict[str, dict]) 
 
 
 def resolved_identity(recipe: Recipe) -> dict:
-    """What a trained arm is, with the loss's defaults filled in: `grpo` and `grpo:eps=0.2` are one arm."""
+    """What a trained arm is, with the loss's defaults filled in and its numbers as floats: `grpo`,
+    `grpo:eps=0.2` and `atr:max_kl3=1` / `atr:max_kl3=1.0` are one arm each."""
     data = recipe_to_dict(recipe)
-    data["algo"]["args"] = {**loss_parameters(recipe.algo.loss), **data["algo"]["args"]}
+    args = {**loss_parameters(recipe.algo.loss), **data["algo"]["args"]}
+    data["algo"]["args"] = {k: as_number(v) for k, v in args.items()}
     return data
+
+
+def as_number(value: Any) -> Any:
+    """An int as the float it equals (bools and words as they are), so that 1 and 1.0 compare equal."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def check_distinct(recipes: dict[str, Recipe]) -> None:

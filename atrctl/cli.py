@@ -553,9 +553,7 @@ def export(
     eps_high: Annotated[float | None, typer.Option(help="ε_high of dapo, unless the arm sets it.")] = None,
 ) -> None:
     """Print the settings that train a loss inside TRL or verl (e.g. `atrctl export --to verl --max-kl3 0.05`)."""
-    import dataclasses
-
-    from atrctl.arms import parse_arm
+    from atrctl.arms import format_value, parse_arm
     from atrctl.export import export as snippet
     from atrctl.losses import flag_parameters, loss_parameters
 
@@ -563,8 +561,13 @@ def export(
     if parsed.loss is None:
         raise UserError(f"export takes a loss such as atr or tv-band:delta=0.1, not the run {arm}")
     flags = flag_parameters(parsed.loss, max_kl3, eps, eps_high)
-    params = {**{k: v for k, v in flags.items() if k in loss_parameters(parsed.loss)}, **dict(parsed.params)}
-    print(snippet(dataclasses.replace(parsed, params=tuple(params.items())), to), end="")
+    unused = sorted(set(flags) - set(loss_parameters(parsed.loss)))
+    if unused:
+        raise UserError(f"{parsed.loss} takes no {', '.join(unused)}; its parameters: "
+                        f"{', '.join(loss_parameters(parsed.loss))}")  # fmt: skip
+    merged = {**flags, **dict(parsed.params)}  # the arm's own values win
+    text = parsed.loss + (":" + ",".join(f"{k}={format_value(v)}" for k, v in merged.items()) if merged else "")
+    print(snippet(parse_arm(text), to), end="")
 
 
 # --------------------------------------------------------------------- entry

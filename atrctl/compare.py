@@ -331,6 +331,9 @@ def plan_comparison(
         else:  # an existing run: its recipe must read and its task match, before anything trains
             arm_target(arm.run_dir, recipe)
     check_distinct(trained)
+    for arm in arms:  # the run directories' and recipe files' names: refused here rather than by the filesystem later
+        if arm.loss is not None:
+            check_name(f"{arm.slug}-s{seeds - 1}", flag=f"arm '{arm.label}': its run name")
     joined = "-".join(a.slug for a in arms)
     if name is None and len(joined.encode()) > MAX_NAME_BYTES:
         raise UserError(f"the arms' labels make a {len(joined.encode())}-byte directory name; give one with --name")

@@ -163,7 +163,7 @@ def mechanism_summary(directories: Sequence[Path]) -> dict[str, list[float]]:
                 values.append(float(np.mean(top)) if top else np.nan)
             else:
                 bottom = sum(r.get(share.format(bin=name), 0.0) for r in records)
-                values.append(sum(top) / bottom if bottom > 0 else np.nan)
+                values.append(sum(top) / bottom if top and bottom > 0 else np.nan)  # gspo: no binned clip
         panels[key] = values
     return panels
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from atrctl.arms import Arm, format_value, parse_arm
+from atrctl.arms import Arm, as_number, format_value, parse_arm
 from atrctl.compare import Comparison, plan_comparison
 from atrctl.config import read_value
 from atrctl.errors import UserError
@@ -51,7 +51,7 @@ def parse_grid(text: str) -> Grid:
     if not equals or not key or not all(values):
         raise UserError(f"--grid {text!r}: write KEY=v1,v2,…, e.g. --grid max_kl3=0.05,0.1,0.2")
     parsed = tuple(read_value(value) for value in values)
-    shown = [format_value(value) for value in parsed]
+    shown = [format_value(as_number(value)) for value in parsed]
     if len(set(shown)) != len(shown):
         raise UserError(f"--grid {text!r} repeats a value")
     return Grid(key, parsed)

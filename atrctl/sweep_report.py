@@ -111,7 +111,10 @@ def sweep_markdown(rows: Sequence[dict], metrics: Sequence[str]) -> str:
     for row in rows:
         cells = [interval_text(row, c) for c in columns]
         cells.append(f"{row['ratio/min']:.3f}–{row['ratio/max']:.3f}" if np.isfinite(row["ratio/min"]) else "—")
-        cells.append(f"[{row['l']:.4f}, {row['u']:.4f}]" if np.isfinite(row["width"]) else "per token")
+        bands = row["loss"] in ("tv-band", "kl-band")
+        cells.append(
+            f"[{row['l']:.4f}, {row['u']:.4f}]" if np.isfinite(row["width"]) else "per token" if bands else "—"
+        )
         lines.append(f"| {row['arm']} | {row['seeds']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -254,7 +257,7 @@ training figures show the mean [lowest, highest] over seeds.
 {table}
 Columns: {", ".join(metrics)} on the held-out problems; final entropy = the policy's entropy over the last
 {SMOOTHING} training steps; clip/low, clip/high, kl3/mean = means over all steps; ratio range = the mean of each
-step's lowest and highest ratio w; [l, u] = the ratio interval (per token for bands).
+step's lowest and highest ratio w; [l, u] = the ratio interval (per token for bands; — where the loss has none).
 {EXPLORATION_NOTE if "entropy" in metrics else ""}
 ![figures against the swept parameter](sweep.png)
 

@@ -704,7 +704,7 @@ def validate_algo(recipe: Recipe, world: int | None = None) -> None:
         )
     try:
         _probe_loss(recipe)
-    except ValueError as error:
+    except (ValueError, TypeError) as error:  # TypeError: a list or table where a number belongs
         raise UserError(f"algo.args for '{algo.loss}': {error}") from None
 
 

@@ -8,6 +8,11 @@ from atrctl.compare import plan_comparison
 from atrctl.config import load_recipe
 from atrctl.errors import UserError
 
+LONG_ARM = "atr:max_kl3=0.1," + ",".join(
+    ["optim.lr=0.0002", "algo.kl_estimator=k3", "rollout.temperature=1.0", "rollout.top_p=1.0", "algo.agg=token-mean",
+     "algo.advantage=grpo", "optim.schedule=constant", "optim.grad_clip=1.0", "optim.warmup_steps=0",
+     "algo.entropy_coef=0.0", "algo.beta=0.0", "algo.old_logprobs=auto"]
+)  # fmt: skip
 FAST = ["rollout.prompts=4", "rollout.group_size=4", "algo.minibatches=2", "model.device=cpu"]
 
 
@@ -57,6 +62,11 @@ def test_the_resolved_recipe_layers_defaults_shared_flags_and_the_arms_own_value
         ("atr:task.args.digits=2", "may change only algo.*, optim.*, rollout.* keys"),
         ("atr:eval.n=3", "task, model, warm-up, eval and run are shared"),
         ("atr:algo.x.y=1", "'algo.x.y' is not a recipe key"),
+        ("grpo:eps=[0.1]", "eps=[0.1] is not a number or a word"),
+        ("tv-band:delta={a=1}", "is not a number or a word"),
+        ("atr:max_kl3=true", "max_kl3 is a number, not true"),
+        ("atr:rollout.max_new_tokens=4", "which the evaluation of every arm uses too"),
+        ("atr:rollout.backend=hf", "which the evaluation of every arm uses too"),
     ],
 )
 def test_every_malformed_arm_is_refused_naming_the_problem(text, message):
@@ -78,6 +88,8 @@ def test_every_malformed_arm_is_refused_naming_the_problem(text, message):
         (["grpo", "grpo:eps=0.2"], "arms 'grpo' and 'grpo:eps=0.2' train the same recipe"),
         (["atr:max_kl3=0.1", "atr"], "arms 'atr:max_kl3=0.1' and 'atr' train the same recipe"),
         (["grpo", "grpo:algo.minibatches=2"], "train the same recipe"),  # FAST already has 2
+        (["atr:max_kl3=1", "atr:max_kl3=1.0"], "train the same recipe"),  # 1 and 1.0 are one value
+        (["grpo", LONG_ARM], "its run name is"),
         (["grpo", "grpo"], "grpo is given more than once"),
         (["grpo"], "at least two arms"),
     ],

@@ -188,3 +188,6 @@ def test_mechanism_summary_divides_summed_shares_over_every_step_and_seed(tmp_pa
     assert summary["clip/low/{bin}"][0] == pytest.approx(0.08 / 0.40)  # of the A<0 tokens at p_old < 0.1
     assert summary["dlogp/neg/{bin}"][0] == pytest.approx(-0.35)  # over the steps that measured it
     assert np.isnan(summary["clip/high/{bin}"][0]) and np.isnan(summary["dlogp/pos/{bin}"][3])
+    (tmp_path / "gspo").mkdir()  # gspo clips sequences: it logs token shares but no binned clip, which is not 0
+    (tmp_path / "gspo" / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens/neg/p00-10": 0.3}) + "\n")
+    assert np.isnan(mechanism_summary([tmp_path / "gspo"])["clip/low/{bin}"][0])

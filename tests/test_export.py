@@ -62,3 +62,9 @@ def test_the_command_prints_the_snippet_and_refuses_in_one_line(capsys):
     assert err.startswith("error: verl has its own cispo") and "\n" not in err
     assert main(["export", "atr:max_kl3=-1"]) == 2
     assert "max_kl3" in capsys.readouterr().err
+    assert main(["export", "grpo", "--max-kl3", "0.05"]) == 2  # a flag the loss does not take is not ignored
+    assert "grpo takes no max_kl3" in capsys.readouterr().err
+    assert main(["export", "tv-band:delta=-1"]) == 2  # values are checked, not only names
+    assert "delta must be" in capsys.readouterr().err
+    assert main(["export", "gspo", "--eps-high", "5e-4", "--to", "verl"]) == 0  # the flag reaches the label
+    assert 'loss_mode="gspo:eps_high=0.0005"' in capsys.readouterr().out

@@ -28,7 +28,7 @@ def test_a_grid_is_a_key_and_its_values_read_as_toml():
     assert parse_grid("optim.schedule=constant,cosine") == Grid("optim.schedule", ("constant", "cosine"))
     for bad, message in (("max_kl3", "write KEY=v1,v2"), ("max_kl3=", "write KEY=v1,v2"),
                          ("=0.1", "write KEY=v1,v2"), ("max_kl3=0.1,,0.2", "write KEY=v1,v2"),
-                         ("max_kl3=0.1,0.10", "repeats a value")):  # fmt: skip
+                         ("max_kl3=0.1,0.10", "repeats a value"), ("max_kl3=1,1.0", "repeats a value")):  # fmt: skip
         with pytest.raises(UserError, match=message):
             parse_grid(bad)
 

@@ -84,7 +84,7 @@ def _trainer_class():
                 beta=self.beta, kl_estimator="k3", entropy=entropy, **self.atrctl_params,
             )  # fmt: skip
             mode = "train" if self.model.training else "eval"
-            self._log_atrctl(mode, finish_metrics(out.metrics))
+            self._log_atrctl(mode, out.metrics)
             return out.loss * self._loss_scale(mask, inputs["num_items_in_batch"], mode)
 
         def _loss_scale(self, mask: torch.Tensor, window_tokens: torch.Tensor, mode: str) -> torch.Tensor | float:
@@ -97,14 +97,19 @@ def _trainer_class():
             return 1.0 / accumulation
 
         def _log_atrctl(self, mode: str, metrics: dict[str, float]) -> None:
-            """Each metric of this micro-batch, reduced over processes by the rule its name declares, into TRL's
-            metric lists (TRL averages a list when it logs: a min or max is then the mean of the extremes)."""
+            """This micro-batch's metrics, reduced over processes by the rule each name declares and then finished
+            (`losses.finish_metrics`), into TRL's metric lists (TRL averages a list when it logs: a min or max is
+            then the mean of the extremes).  The loss emits the same keys on every process; only finishing drops
+            the empty cells, so it comes after the gather."""
             names = sorted(metrics)
             values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=self.accelerator.device)
             gathered = self.accelerator.gather(values[None]).reshape(-1, len(names))
+            reduced = {}
             for column, name in enumerate(names):
                 reduce = {"min": torch.min, "max": torch.max}.get(metric_reduction(name), torch.mean)
-                self._metrics[mode][f"atrctl/{name}"].append(reduce(gathered[:, column]).item())
+                reduced[name] = reduce(gathered[:, column]).item()
+            for name, value in finish_metrics(reduced).items():
+                self._metrics[mode][f"atrctl/{name}"].append(value)
 
     return AtrctlGRPOTrainer
 
