@@ -83,24 +83,6 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, low: Bound, high: Bound
     return loss
 
 
-def clip_fractions(
-    ratio: Tensor, advantages: Tensor, low: Bound, high: Bound, mask: Tensor, dual_clip: float | None = None
-) -> dict[str, Tensor]:
-    """Fractions of masked entries whose gradient the clip removes (high: w > u, A > 0; low: w < l, A < 0)
-    or that lie outside [l, u] at all (region), and with dual-clip the A < 0 entries capped (w > c)."""
-    count = mask.sum().clamp(min=1)
-    above, below = ratio > high, ratio < low
-    positive, negative = advantages > 0, advantages < 0
-    fractions = {
-        "clip/low": (below & negative & mask).sum() / count,
-        "clip/high": (above & positive & mask).sum() / count,
-        "clip/region": ((above | below) & mask).sum() / count,
-    }
-    if dual_clip is not None:
-        fractions["clip/dual"] = ((ratio > dual_clip) & negative & mask).sum() / count
-    return fractions
-
-
 OLD_PROBABILITY_EDGES = (0.1, 0.5, 0.9)
 """Where the bins of the mechanism metrics split the sampling policy's probability of a token, p_old."""
 OLD_PROBABILITY_BINS = ("p00-10", "p10-50", "p50-90", "p90-100")
@@ -113,29 +95,45 @@ def old_probability_bin(old_logp: Tensor) -> Tensor:
     return torch.bucketize(old_logp.exp(), edges, right=True)
 
 
-def binned_clip_fractions(tokens: Tokens, low: Bound, high: Bound) -> dict[str, Tensor]:
-    """clip/low and clip/high split by the token's p_old (`OLD_PROBABILITY_BINS`): the share of all masked
-    tokens that the clip removed and that lie in the bin, so each split sums to its clip/ fraction.  Where
-    the mass is clipped is what distinguishes the regions: KL3's lower bound is tighter than its upper one,
-    and a band's width follows p_old itself."""
-    count = tokens.mask.sum().clamp(min=1)
-    removed = {
-        "low": (tokens.ratio < low) & (tokens.advantages < 0) & tokens.mask,
-        "high": (tokens.ratio > high) & (tokens.advantages > 0) & tokens.mask,
+def clip_fractions(
+    ratio: Tensor,
+    advantages: Tensor,
+    low: Bound,
+    high: Bound,
+    mask: Tensor,
+    dual_clip: float | None = None,
+    bins: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Fractions of masked entries whose gradient the clip removes (high: w > u, A > 0; low: w < l, A < 0)
+    or that lie outside [l, u] at all (region), and with dual-clip the A < 0 entries capped (w > c).
+
+    With `bins` (each entry's `old_probability_bin`) clip/low and clip/high are also split by p_old
+    (`clip/low/<bin>`, `clip/high/<bin>`): the share of all masked entries that the clip removed and that lie
+    in the bin, so each split sums to its total.  Where the mass is clipped is what distinguishes the
+    regions: KL3's lower bound is tighter than its upper one, and a band's width follows p_old itself."""
+    count = mask.sum().clamp(min=1)
+    above, below = ratio > high, ratio < low
+    positive, negative = advantages > 0, advantages < 0
+    removed = {"low": below & negative & mask, "high": above & positive & mask}
+    fractions = {
+        "clip/low": removed["low"].sum() / count,
+        "clip/high": removed["high"].sum() / count,
+        "clip/region": ((above | below) & mask).sum() / count,
     }
-    bins = old_probability_bin(tokens.old_logp)
-    return {
-        f"clip/{side}/{name}": (where & (bins == index)).sum() / count
-        for side, where in removed.items()
-        for index, name in enumerate(OLD_PROBABILITY_BINS)
-    }
+    if dual_clip is not None:
+        fractions["clip/dual"] = ((ratio > dual_clip) & negative & mask).sum() / count
+    if bins is not None:
+        for side, where in removed.items():
+            for index, name in enumerate(OLD_PROBABILITY_BINS):
+                fractions[f"clip/{side}/{name}"] = (where & (bins == index)).sum() / count
+    return fractions
 
 
 def _ratio_clip(tokens: Tokens, low: Bound, high: Bound, dual_clip: float | None):
     adv = tokens.advantages
     return (
         clipped_surrogate(tokens.ratio, adv, low, high, dual_clip),
-        clip_fractions(tokens.ratio, adv, low, high, tokens.mask, dual_clip) | binned_clip_fractions(tokens, low, high),
+        clip_fractions(tokens.ratio, adv, low, high, tokens.mask, dual_clip, old_probability_bin(tokens.old_logp)),
     )
 
 
@@ -198,8 +196,10 @@ def _cispo(tokens: Tokens, *, eps_low: float = 1.0, eps_high: float = 0.28):
     eps_low, eps_high = _check_positive(eps_low, "eps_low"), _check_positive(eps_high, "eps_high")
     low, high = max(0.0, 1.0 - eps_low), 1.0 + eps_high
     weight = tokens.ratio.clamp(low, high).detach()
-    clipped = clip_fractions(tokens.ratio, tokens.advantages, low, high, tokens.mask)
-    return -weight * tokens.advantages * tokens.logp, clipped | binned_clip_fractions(tokens, low, high)
+    bins = old_probability_bin(tokens.old_logp)
+    return -weight * tokens.advantages * tokens.logp, clip_fractions(
+        tokens.ratio, tokens.advantages, low, high, tokens.mask, bins=bins
+    )
 
 
 _cispo.objective = "weighted-logp"  # -sg(w)·A·logp: at w = 1 its value is -A·logp, not -A
