@@ -9,12 +9,10 @@ registered in verl's policy-loss registry by `atrctl.integrations.verl.register`
 
 from __future__ import annotations
 
-import torch
-
 from atrctl.arms import Arm
 from atrctl.divergence import TRUST_REGIONS, trust_region
 from atrctl.errors import UserError
-from atrctl.losses import loss_parameters, token_losses
+from atrctl.losses import check_loss, loss_parameters
 
 TARGETS = ("trl", "verl")
 
@@ -40,8 +38,7 @@ def export(arm: Arm, target: str) -> str:
     if arm.overrides:
         raise UserError(f"export takes a loss and its parameters, not recipe keys ({arm.overrides[0][0]})")
     try:
-        probe = torch.zeros(1, 1)
-        token_losses(probe, probe, probe[0], probe, algo=arm.loss, **dict(arm.params))  # bad values fail here
+        check_loss(arm.loss, **dict(arm.params))  # bad values fail here
         region = constant_region(arm)
     except (ValueError, TypeError) as error:
         raise UserError(f"{arm.label}: {error}") from None

@@ -432,6 +432,14 @@ def token_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tenso
     return LossOutput(token_loss, _metrics(tokens, aggregate(token_loss, tokens.mask), clip_metrics, {}))
 
 
+def check_loss(algo: str, agg: str = "token-mean", **params) -> None:
+    """Raise (ValueError, or TypeError for a value of the wrong kind) unless the loss `algo` with `params` and
+    the aggregation `agg` are valid: one token goes through `policy_loss`, so every check a loss makes of its
+    values runs, before a trainer starts."""
+    probe = torch.zeros(1, 1)
+    policy_loss(probe, probe, torch.zeros(1), torch.ones(1, 1), algo=algo, agg=agg, max_new_tokens=1, **params)
+
+
 def _check_params(algo: str, params: dict) -> None:
     """Unknown parameter names fail loudly, naming the ones the loss takes (`loss_parameters`); a loss that
     takes **kwargs checks its own."""

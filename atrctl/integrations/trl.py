@@ -23,7 +23,7 @@ import torch
 
 from atrctl.divergence import trust_region
 from atrctl.integrations import require
-from atrctl.losses import finish_metrics, metric_reduction, policy_loss
+from atrctl.losses import check_loss, finish_metrics, metric_reduction, policy_loss
 
 WHAT, INSTALL = "atrctl.integrations.trl", 'pip install torch==2.13.0 -e ".[trl]"'
 
@@ -63,9 +63,7 @@ def _trainer_class():
         def __init__(self, *args, atrctl_loss: str = "atr", loss_params: dict | None = None,
                      agg: str = "token-mean", **kwargs):  # fmt: skip
             self.atrctl_loss, self.atrctl_params, self.atrctl_agg = atrctl_loss, dict(loss_params or {}), agg
-            probe = torch.zeros(1, 1)  # one token through the loss: bad names or values fail before TRL starts
-            policy_loss(probe, probe, torch.zeros(1), torch.ones(1, 1), algo=atrctl_loss, agg=agg, max_new_tokens=1,
-                        **self.atrctl_params)  # fmt: skip
+            check_loss(atrctl_loss, agg, **self.atrctl_params)  # bad names or values fail before TRL starts
             super().__init__(*args, **kwargs)
 
         def _compute_loss(self, model, inputs):

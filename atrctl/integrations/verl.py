@@ -16,11 +16,9 @@ verl already has (gspo, cispo) keep verl's implementation; an arm of them (`gspo
 
 from __future__ import annotations
 
-import torch
-
 from atrctl.errors import UserError
 from atrctl.integrations import require
-from atrctl.losses import POLICY_LOSSES, finish_metrics, loss_parameters, token_losses
+from atrctl.losses import POLICY_LOSSES, check_loss, finish_metrics, loss_parameters, token_losses
 
 WHAT = "atrctl.integrations.verl"
 INSTALL = "pip install verl (or only its loss code: pip install --no-deps -r requirements/verl-loss.txt)"
@@ -41,9 +39,8 @@ def register(*arms: str) -> list[str]:
         if arm.loss is None or arm.overrides:
             raise UserError(f"register takes losses with their parameters, e.g. atr:max_kl3=0.05; not {text!r}")
         entries.append((arm.label, arm.loss, dict(arm.params)))
-    probe = torch.zeros(1, 1)
     for _, loss, defaults in entries:
-        token_losses(probe, probe, probe[0], probe, algo=loss, **defaults)  # bad values fail here
+        check_loss(loss, **defaults)  # bad values fail here
     for label, loss, defaults in entries:
         core.register_policy_loss(label)(_verl_loss(loss, defaults, core.agg_loss))
     return [label for label, _, _ in entries]
