@@ -60,6 +60,11 @@ def format_value(value: Any) -> str:
     return repr(value) if isinstance(value, int | float) else str(value)
 
 
+def arm_text(loss: str, settings: Sequence[tuple[str, Any]]) -> str:
+    """`LOSS:key=value,…` for these (key, value) pairs, values as the label shows them; the bare loss without."""
+    return loss + (":" + ",".join(f"{k}={format_value(v)}" for k, v in settings) if settings else "")
+
+
 def parse_arm(text: str) -> Arm:
     """`LOSS[:key=value,…]` as an Arm, or a finished run directory; syntax and names checked, values not."""
     loss, colon, rest = text.partition(":")
@@ -97,8 +102,7 @@ def parse_arm(text: str) -> Arm:
         else:
             _check_regime_key(text, key)
             overrides.append((key, value))
-    label = loss + (":" + ",".join(f"{k}={format_value(v)}" for k, v in [*params, *overrides]) if seen else "")
-    return Arm(label=label, loss=loss, params=tuple(params), overrides=tuple(overrides))
+    return Arm(label=arm_text(loss, [*params, *overrides]), loss=loss, params=tuple(params), overrides=tuple(overrides))
 
 
 def _parameter_list(loss: str) -> str:

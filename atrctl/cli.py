@@ -553,7 +553,7 @@ def export(
     eps_high: Annotated[float | None, typer.Option(help="ε_high of dapo, unless the arm sets it.")] = None,
 ) -> None:
     """Print the settings that train a loss inside TRL or verl (e.g. `atrctl export --to verl --max-kl3 0.05`)."""
-    from atrctl.arms import format_value, parse_arm
+    from atrctl.arms import arm_text, parse_arm
     from atrctl.export import export as snippet
     from atrctl.losses import flag_parameters, loss_parameters
 
@@ -566,8 +566,7 @@ def export(
         raise UserError(f"{parsed.loss} takes no {', '.join(unused)}; its parameters: "
                         f"{', '.join(loss_parameters(parsed.loss))}")  # fmt: skip
     merged = {**flags, **dict(parsed.params)}  # the arm's own values win
-    text = parsed.loss + (":" + ",".join(f"{k}={format_value(v)}" for k, v in merged.items()) if merged else "")
-    print(snippet(parse_arm(text), to), end="")
+    print(snippet(parse_arm(arm_text(parsed.loss, list(merged.items()))), to), end="")
 
 
 # --------------------------------------------------------------------- entry

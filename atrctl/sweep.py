@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from atrctl.arms import Arm, as_number, format_value, parse_arm
+from atrctl.arms import Arm, arm_text, as_number, format_value, parse_arm
 from atrctl.compare import Comparison, plan_comparison
 from atrctl.config import read_value
 from atrctl.errors import UserError
@@ -62,7 +62,7 @@ def grid_points(loss: str, grids: Sequence[Grid]) -> dict[str, dict[str, Any]]:
     points = {}
     for combination in itertools.product(*(grid.values for grid in grids)):
         coordinates = dict(zip((grid.key for grid in grids), combination, strict=True))
-        arm = parse_arm(f"{loss}:" + ",".join(f"{k}={format_value(v)}" for k, v in coordinates.items()))
+        arm = parse_arm(arm_text(loss, list(coordinates.items())))
         points[arm.label] = coordinates
     return points
 
