@@ -8,6 +8,7 @@ alike; `run_evaluation` is `atrctl eval` without its display.  The figures thems
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -172,8 +173,10 @@ def evaluation_key(spec: EvalTarget, problems: Sequence[Problem], **settings) ->
             "threads": torch.get_num_threads(), "code": _source_digest()}  # fmt: skip
 
 
+@functools.cache
 def _source_digest() -> str:
-    """SHA-256 of atrctl's Python source files (names and contents)."""
+    """SHA-256 of atrctl's Python source files (names and contents), read once per process: a comparison asks
+    for it for every run it evaluates."""
     import hashlib
 
     package, digest = Path(__file__).parent, hashlib.sha256()
