@@ -30,7 +30,7 @@ from atrctl import atomic
 from atrctl.arms import Arm, arm_recipe, check_distinct, parse_arms
 from atrctl.config import Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
-from atrctl.rundir import MAX_NAME_BYTES, RunDir, check_name, drop_aside, exclusive, move_aside, recover
+from atrctl.rundir import RunDir, check_name, drop_aside, exclusive, move_aside, recover
 
 # advance(key, description, done, total, note): one progress line per key, made on its first call
 Progress = Callable[[str, str, int, int, str], None]
@@ -334,10 +334,10 @@ def plan_comparison(
     for arm in arms:  # the run directories' and recipe files' names: refused here rather than by the filesystem later
         if arm.loss is not None:
             check_name(f"{arm.slug}-s{seeds - 1}", flag=f"arm '{arm.label}': its run name")
-    joined = "-".join(a.slug for a in arms)
-    if name is None and len(joined.encode()) > MAX_NAME_BYTES:
-        raise UserError(f"the arms' labels make a {len(joined.encode())}-byte directory name; give one with --name")
-    label = check_name(name if name is not None else joined)
+    if name is None:
+        label = check_name("-".join(a.slug for a in arms), flag="the name made of the arms' labels (pass --name)")
+    else:
+        label = check_name(name)
     return Comparison(results / f"{kind}-{label}", arms, seeds, recipe, loss_args, overwrite, kind)
 
 

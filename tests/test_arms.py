@@ -113,6 +113,14 @@ def test_shared_flags_give_way_to_an_arms_own_parameter(tmp_path):
     assert comparison.directory.name == "compare-grpo-grpo_eps=0.1-atr_max_kl3=0.05-atr"
 
 
+def test_a_default_name_too_long_for_the_filesystem_asks_for_name(tmp_path):
+    arms = [f"atr:max_kl3={0.01 * i:.2f}" for i in range(1, 15)]  # each label is fine, joined they are not
+    with pytest.raises(UserError, match=r"the name made of the arms' labels \(pass --name\) is \d+ bytes long"):
+        plan(tmp_path, *arms)
+    assert plan(tmp_path, *arms, name="short").directory == tmp_path / "compare-short"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_check_distinct_ignores_the_label_and_compares_what_is_trained():
     recipe = load_recipe(None, FAST)
     same = {label: arm_recipe(recipe, parse_arm(label), "b", {}) for label in ("dapo", "dapo:eps_high=0.28")}
