@@ -10,19 +10,17 @@ registered in verl's policy-loss registry by `atrctl.integrations.verl.register`
 from __future__ import annotations
 
 from atrctl.arms import Arm
-from atrctl.divergence import TRUST_REGIONS, trust_region
 from atrctl.errors import UserError
-from atrctl.losses import check_loss, loss_parameters
+from atrctl.losses import check_loss, constant_interval, loss_parameters
 
 TARGETS = ("trl", "verl")
 
 
 def constant_region(arm: Arm) -> tuple[float, float] | None:
     """[l, u] of an arm whose loss is a constant trust region without a dual clip, else None."""
-    params = {**loss_parameters(arm.loss), **dict(arm.params)}
-    if arm.loss not in TRUST_REGIONS or params.get("dual_clip") is not None:
+    if dict(arm.params).get("dual_clip") is not None:
         return None
-    return trust_region(arm.loss, **{k: v for k, v in params.items() if k != "dual_clip"})
+    return constant_interval(arm.loss, dict(arm.params))
 
 
 def describe(arm: Arm, region: tuple[float, float] | None) -> str:

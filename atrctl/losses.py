@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from atrctl.bands import kl_band_bounds, tv_band_bounds
-from atrctl.divergence import TRUST_REGIONS, kl3_of_log_ratio, trust_region
+from atrctl.divergence import TRUST_REGIONS, kl3_of_log_ratio, region_defaults, trust_region
 
 # |logp - old_logp| is clamped to this before exp, so w stays within [e^-20, e^20] ~ [2e-9, 5e8]
 # and cannot overflow float32.  A token beyond it is far outside every trust region; it keeps
@@ -232,6 +232,15 @@ def loss_parameters(name: str) -> dict[str, object]:
             ):
                 params[parameter.name] = None if parameter.default is inspect.Parameter.empty else parameter.default
     return params
+
+
+def constant_interval(name: str, params: dict) -> tuple[float, float] | None:
+    """The constant ratio interval [l, u] of the loss `name` with `params` (its defaults for the rest) where it
+    is one of the trust regions of `atrctl.divergence`, else None; a dual clip is not part of the interval."""
+    if name not in TRUST_REGIONS:
+        return None
+    given = {**loss_parameters(name), **params}
+    return _cached_region(name, tuple(sorted((k, v) for k, v in given.items() if k in region_defaults(name))))
 
 
 def flag_parameters(

@@ -51,12 +51,11 @@ def training_stats(directory: Path) -> dict[str, float]:
 def region_of(recipe) -> tuple[float, float] | None:
     """The constant ratio interval [l, u] a run trained with, where its loss has one (the trust regions of
     `atrctl.divergence`, and cispo's weight clip); None for per-token bands and sequence-level clips."""
-    from atrctl.divergence import TRUST_REGIONS, region_defaults, trust_region
-    from atrctl.losses import loss_parameters
+    from atrctl.losses import constant_interval, loss_parameters
 
     loss, args = recipe.algo.loss, {**loss_parameters(recipe.algo.loss), **recipe.algo.args}
-    if loss in TRUST_REGIONS:
-        return trust_region(loss, **{k: v for k, v in args.items() if k in region_defaults(loss)})
+    if (interval := constant_interval(loss, args)) is not None:
+        return interval
     if loss == "cispo":
         return max(0.0, 1.0 - float(args["eps_low"])), 1.0 + float(args["eps_high"])
     return None
