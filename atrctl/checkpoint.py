@@ -1,8 +1,10 @@
 """Resumable training state, written atomically and loaded without unpickling arbitrary objects.
 
-A checkpoint is a directory: model weights as safetensors, the optimiser state through
-torch.save (read back with weights_only=True: tensors and plain containers only), and the step,
-counters and RNG states as JSON.  It is written beside the old one and swapped in by rename; the one
+A checkpoint is a directory: the trained weights as safetensors (every weight, or the LoRA adapters
+alone when the base is frozen), the optimiser state through torch.save (read back with
+weights_only=True: tensors and plain containers only), and the step, counters and RNG states as JSON.
+A model sharded with FSDP is gathered into the same files (`atrctl.sharding`), so a run resumes at any
+number of processes, sharded or not.  It is written beside the old one and swapped in by rename; the one
 it replaces is kept as `checkpoint.previous`, so a crash at any moment leaves a complete checkpoint
 behind, and a checkpoint damaged later (a disk error, a truncated copy) still leaves the one before.
 """
@@ -43,6 +45,7 @@ class TrainState:
     torch_rng: list[int] = field(default_factory=list)
     python_rng: list = field(default_factory=list)
     recipe: dict = field(default_factory=dict)  # the recipe trained with, so a resume can refuse an edited one
+    weights: str = "full"  # what model.safetensors holds: "full" (every weight) or "lora" (the adapters alone)
 
 
 def capture_rng(state: TrainState) -> None:
@@ -57,16 +60,38 @@ def restore_rng(state: TrainState) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+def checkpoint_contents(model, optimizer) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """(trained weights on the CPU, optimiser state) to checkpoint.  Every rank calls it (a sharded model is
+    gathered: a collective); the contents come back on rank 0, None on the others."""
+    from atrctl import distributed, sharding
+    from atrctl.adapters import trains_adapters
+
+    if sharding.is_sharded(model):
+        return sharding.full_contents(model, optimizer)
+    if not distributed.is_main():
+        return None
+    if trains_adapters(model):
+        named = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    else:
+        named = model.state_dict()
+    weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named.items()}
+    return weights, optimizer.state_dict()
+
+
 def save_checkpoint(directory: Path, model, optimizer, state: TrainState) -> None:
+    """`checkpoint_contents` of a model that is not sharded, written by `write_checkpoint`."""
+    write_checkpoint(directory, checkpoint_contents(model, optimizer), state)
+
+
+def write_checkpoint(directory: Path, contents: tuple[dict[str, torch.Tensor], dict], state: TrainState) -> None:
     """Write the checkpoint to a staging directory, then swap it in; the old one becomes the previous."""
-    directory = Path(directory)
+    directory, (weights, optimizer_state) = Path(directory), contents
     for stale in directory.parent.glob(f".{directory.name}.*"):  # left by a save killed mid-write
         shutil.rmtree(stale, ignore_errors=True)  # (safe: a run has one writer, `rundir.exclusive`)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
         save_file(_untie(weights), staging / "model.safetensors")
-        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        torch.save(optimizer_state, staging / "optimizer.pt")
         atomic.write_text(staging / "state.json", json.dumps(asdict(state)) + "\n")
         os.chmod(staging, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary result
         if directory.exists():  # else a crash came between the two renames: the previous one is what there is
@@ -120,27 +145,49 @@ def promote_previous(directory: Path) -> None:
     previous_checkpoint(directory).rename(directory)
 
 
+WEIGHTS_KINDS = {"full": "every weight", "lora": "LoRA adapters"}
+
+
 def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
-    """Load weights and optimiser state in place; return the saved TrainState."""
-    device = next(model.parameters()).device
+    """Load weights and optimiser state in place (every rank, sharded or not); return the saved TrainState."""
+    from atrctl import sharding
+    from atrctl.adapters import trains_adapters
+
     state = read_state(directory)
+    expected = "lora" if trains_adapters(model) else "full"
+    if state.weights != expected:  # before reading a byte of weights: say what differs, not which names are missing
+        raise UserError(
+            f"checkpoint {directory} holds {WEIGHTS_KINDS.get(state.weights, state.weights)} but the recipe trains "
+            f"{WEIGHTS_KINDS[expected]} (model.lora is {'set' if expected == 'lora' else 'off'}); resume with the "
+            "recipe the run was started with"
+        )
+    device = next(model.parameters()).device
     try:
         weights = load_file(directory / "model.safetensors", device=str(device))
     except (OSError, SafetensorError) as error:
         raise UserError(f"{directory / 'model.safetensors'} is missing or damaged ({error}); the run cannot resume "
                         "from it") from None  # fmt: skip
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    own = {name for name, p in model.named_parameters() if p.requires_grad} if expected == "lora" else None
+    names = set(model.state_dict()) if own is None else own
+    missing, unexpected = sorted(names - set(weights)), sorted(set(weights) - names)
     if missing or unexpected:  # a checkpoint of another model: never resume from half of it
-        names = ", ".join((missing or unexpected)[:3])
+        listed = ", ".join((missing or unexpected)[:3])
         raise UserError(
             f"checkpoint {directory} does not match the model ({'missing' if missing else 'unexpected'} "
-            f"weights: {names}); resume with the recipe the run was started with"
+            f"weights: {listed}); resume with the recipe the run was started with"
         )
+    if sharding.is_sharded(model):
+        sharding.load_full_weights(model, weights)
+    else:
+        model.load_state_dict(weights, strict=False)  # strict=False: a LoRA checkpoint has no base weights
     try:
         with warnings.catch_warnings():  # a damaged file is reported below, in one line, not as torch's warning
             warnings.simplefilter("ignore", UserWarning)
             saved = torch.load(directory / "optimizer.pt", map_location=device, weights_only=True)
-        optimizer.load_state_dict(saved)
+        if sharding.is_sharded(model):
+            sharding.load_full_optimizer_state(optimizer, saved)
+        else:
+            optimizer.load_state_dict(saved)
     except Exception as error:  # the unpickler meets garbage with any error (IndexError on a torn file, ...)
         raise UserError(f"{directory / 'optimizer.pt'} is missing or damaged ({first_line(error)}); the run "
                         "cannot resume from it") from None  # fmt: skip
@@ -160,6 +207,8 @@ def read_state(directory: Path) -> TrainState:
     counters = (state.step, state.bad_steps, state.skipped_steps)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counters):
         raise UserError(f"{path} is not a training state (step and counters must be integers >= 0)")
+    if state.weights not in WEIGHTS_KINDS:
+        raise UserError(f"{path} is not a training state (weights must be one of {', '.join(WEIGHTS_KINDS)})")
     if not isinstance(state.unverified_update, bool):
         raise UserError(f"{path} is not a training state (unverified_update must be true or false)")
     return state

@@ -65,6 +65,14 @@ class ModelConfig:
     CI CPU); "bfloat16" = always; "off" = float32 everywhere."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: far less memory for ~30% more compute."""
+    lora: dict[str, Any] = field(default_factory=dict)
+    """Train LoRA adapters instead of every weight (needs peft), e.g. {r = 16, alpha = 32, dropout = 0.0,
+    target_modules = ["q_proj", "v_proj"]}; unnamed settings take atrctl.adapters.LORA_DEFAULTS (target_modules
+    "all-linear": every linear layer but the output projection).  {} = off: every weight trains."""
+    shard: str = "none"
+    """"fsdp": under --nproc N / torchrun, shard parameters, gradients and AdamW state over the N processes
+    with FSDP2 (one unit per decoder layer, plus the root), ~1/N of the memory each; "none": every process
+    holds the whole model (data parallelism).  Checkpoints are the same either way."""
 
 
 @dataclass
@@ -236,6 +244,7 @@ _CHOICES = {
     ("model", "device"): _registry("atrctl.models", "DEVICES"),
     ("model", "dtype"): _registry("atrctl.models", "DTYPES"),
     ("model", "autocast"): lambda: ("auto", "bfloat16", "off"),
+    ("model", "shard"): lambda: ("none", "fsdp"),
     ("rollout", "backend"): _registry("atrctl.rollout", "ROLLOUT_BACKENDS"),
     ("algo", "advantage"): _registry("atrctl.advantages", "ADVANTAGE_ESTIMATORS"),
     ("algo", "agg"): _registry("atrctl.losses", "AGGREGATIONS"),
@@ -323,6 +332,10 @@ def _check_value(section: str, key: str, value: Any) -> None:
         raise UserError(f"{where} must be >= 0, got {value}")
     if (section, key) in _FRACTIONS and not 0 < value <= 1:
         raise UserError(f"{where} must be in (0, 1], got {value}")
+    if (section, key) == ("model", "lora"):
+        from atrctl.adapters import lora_settings
+
+        lora_settings(value)
     if (section, key) == ("rollout", "group_size") and value < 2:
         raise UserError(f"{where} must be at least 2 (a group of one has no baseline), got {value}")
 

@@ -102,17 +102,39 @@ def _chunk_logprobs(head, states, targets, temperature: float, entropy_grad: boo
 def _completion_states(model: PreTrainedModel, rollout: Rollout) -> tuple[torch.Tensor, torch.nn.Module]:
     """(states [B, T, H] at the positions that predict each completion token, the module that maps them to
     logits).  The decoder's last hidden states and the output projection where the model's logits are
-    exactly that projection (`_head_is_linear`); otherwise its logits and the identity."""
-    if _head_is_linear(model):
+    exactly that projection (`head_is_linear`); otherwise its logits and the identity."""
+    from atrctl.sharding import is_sharded
+
+    if is_sharded(model):  # FSDP: one pass of the root model (it gathers the embedding and head) on every rank
+        if head_is_linear(model):
+            return _single_pass(_through_root(model), rollout, lambda out: out, False), model.get_output_embeddings()
+        return _single_pass(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
+    if head_is_linear(model):
         states = _completion_outputs(model.get_decoder(), rollout, lambda out: out.last_hidden_state, False)
         return states, model.get_output_embeddings()
     return _completion_outputs(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
 
 
+def _through_root(model: PreTrainedModel):
+    """`model` as a function of the decoder's inputs that returns the decoder's last hidden states: the root's
+    forward runs (under FSDP it is what gathers the root's weights), projecting no position to the vocabulary."""
+
+    def run(**inputs) -> torch.Tensor:
+        captured = []
+        hook = model.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out))
+        try:
+            model(**inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device))
+        finally:
+            hook.remove()
+        return captured[0].last_hidden_state
+
+    return run
+
+
 _LINEAR_HEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _head_is_linear(model: PreTrainedModel) -> bool:
+def head_is_linear(model: PreTrainedModel) -> bool:
     """Whether logits = output_embeddings(decoder's last hidden state), checked once per model on a short
     input: a model that scales or soft-caps its logits (Gemma 2's final_logit_softcapping, Cohere's
     logit_scale) keeps the full-logits path."""
@@ -156,9 +178,7 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool) -> torch.Te
         return {"logits_to_keep": last} if is_lm else {}
 
     def single_pass() -> torch.Tensor:
-        ids = torch.cat([prompt, completion], dim=1)
-        out = pick(module(input_ids=ids, attention_mask=mask, position_ids=positions, **keep(completion.shape[1] + 1)))
-        return out[:, -completion.shape[1] - 1 : -1]
+        return _single_pass(module, rollout, pick, is_lm)
 
     first_rows, counts = _runs(torch.cat([prompt, prompt_mask], dim=1))
     if len(counts) == prompt.shape[0] or getattr(module, "is_activation_checkpointing", False):
@@ -192,6 +212,16 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool) -> torch.Te
         if cache.get_seq_length() != end:  # the model ignored the cache (e.g. checkpointing we did not detect)
             return single_pass()
     return torch.cat(outputs, dim=1)
+
+
+def _single_pass(module, rollout: Rollout, pick, is_lm: bool) -> torch.Tensor:
+    """`_completion_outputs` in one pass over prompt + completion of every row."""
+    prompt, completion = rollout.prompt_ids, rollout.completion_ids
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
+    keep = {"logits_to_keep": completion.shape[1] + 1} if is_lm else {}
+    ids = torch.cat([prompt, completion], dim=1)
+    out = pick(module(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), **keep))
+    return out[:, -completion.shape[1] - 1 : -1]
 
 
 def _select_rows(cache, rows: torch.Tensor) -> None:

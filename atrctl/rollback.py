@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from atrctl.sharding import local_part
+
 
 class Snapshot:
-    """One copy of the trainable parameters and the optimiser's per-parameter state."""
+    """One copy of the trained parameters (the optimiser's: LoRA adapters alone where the base is frozen) and
+    the optimiser's per-parameter state."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -24,11 +27,11 @@ class Snapshot:
 
     def take(self) -> None:
         """Copy the current weights and optimiser state (into the buffers of the last copy when they fit)."""
-        params = list(self.model.parameters())
+        params = self._parameters()
         if len(self._weights) != len(params):
             self._weights = [_host_buffer(p) for p in params]
         for buffer, param in zip(self._weights, params, strict=True):
-            buffer.copy_(param.detach(), non_blocking=True)
+            buffer.copy_(local_part(param.detach()), non_blocking=True)
         old = self._states if len(self._states) == len(params) else [None] * len(params)
         self._states = [_copy_state(self.optimizer.state.get(p), into) for p, into in zip(params, old, strict=True)]
         if self._weights and self._weights[0].is_pinned():
@@ -40,18 +43,22 @@ class Snapshot:
         the run holds no older state to go back to."""
         assert self.held, "restore() without a snapshot"
         with torch.no_grad():
-            for param, buffer, saved in zip(self.model.parameters(), self._weights, self._states, strict=True):
-                param.copy_(buffer)
+            for param, buffer, saved in zip(self._parameters(), self._weights, self._states, strict=True):
+                local_part(param).copy_(buffer)
                 if saved is None:  # an optimiser that had not stepped this parameter yet starts it afresh
                     self.optimizer.state.pop(param, None)
                 else:
                     live = self.optimizer.state[param]  # AdamW keeps a parameter's state once it has one
                     for key, value in saved.items():
-                        live[key].copy_(value)
+                        local_part(live[key]).copy_(value)
         self.held = False
+
+    def _parameters(self) -> list[torch.Tensor]:
+        return [param for group in self.optimizer.param_groups for param in group["params"]]
 
 
 def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = local_part(tensor)
     buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     return buffer.pin_memory() if tensor.is_cuda else buffer
 
@@ -65,8 +72,8 @@ def _copy_state(state: dict | None, into: dict[str, torch.Tensor] | None) -> dic
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"optimiser state {key!r} is not a tensor; rollback cannot copy it")
         reuse = into.get(key) if into else None
-        if reuse is not None and reuse.shape == value.shape and reuse.dtype == value.dtype:
-            copied[key] = reuse.copy_(value.detach(), non_blocking=True)
+        if reuse is not None and reuse.shape == local_part(value).shape and reuse.dtype == value.dtype:
+            copied[key] = reuse.copy_(local_part(value.detach()), non_blocking=True)
         else:
-            copied[key] = _host_buffer(value).copy_(value.detach())
+            copied[key] = _host_buffer(value).copy_(local_part(value.detach()))
     return copied

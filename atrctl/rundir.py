@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -193,12 +193,13 @@ class RunDir:
         atomic.write_jsonl(path, rows)
         return path
 
-    def finish(self, model, tokenizer, summary: dict) -> None:
-        """The final model in Hugging Face format and the final summary: the model is staged, the summary
-        written, and only then is the model renamed into place, so model/ marks a finished run."""
+    def finish(self, write_model: Callable[[Path], None], tokenizer, summary: dict) -> None:
+        """The final model in Hugging Face format (`write_model(directory)` writes it, e.g. a model's
+        save_pretrained) and the final summary: the model is staged, the summary written, and only then is the
+        model renamed into place, so model/ marks a finished run."""
         staging = self.path / ".model.tmp"
         shutil.rmtree(staging, ignore_errors=True)
-        model.save_pretrained(staging)
+        write_model(staging)
         tokenizer.save_pretrained(staging)
         self.write_summary(summary)
         shutil.rmtree(self.model, ignore_errors=True)

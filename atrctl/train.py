@@ -24,6 +24,14 @@ from pathlib import Path
 import torch
 
 from atrctl import distributed
+from atrctl.adapters import (
+    adapter_line,
+    add_adapters,
+    lora_settings,
+    reference_pass,
+    trained_parameters,
+    write_final_model,
+)
 from atrctl.advantages import group_advantages
 from atrctl.batching import (
     concat_rollouts,
@@ -38,12 +46,13 @@ from atrctl.batching import (
 from atrctl.checkpoint import (
     TrainState,
     capture_rng,
+    checkpoint_contents,
     find_checkpoint,
     load_latest_checkpoint,
     promote_previous,
     read_state,
     restore_rng,
-    save_checkpoint,
+    write_checkpoint,
 )
 from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
 from atrctl.errors import UserError
@@ -55,6 +64,16 @@ from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
 from atrctl.rundir import RunDir, environment, exclusive
 from atrctl.scoring import mean_reward, sampled_scores
+from atrctl.sharding import (
+    GatheredSampler,
+    check_can_shard,
+    full_copy,
+    full_tensor,
+    is_sharded,
+    loss_scale,
+    memory_line,
+    shard_model,
+)
 from atrctl.tasks import Problem, get_task, problem_pool
 
 PROMPT_POOL = 20_000  # distinct train prompts cycled through in a seeded order
@@ -123,14 +142,17 @@ def _train(
             run_dir.check_can_start(resume, overwrite)
 
         distributed.decided_by_main(claim)
-        state, replacing = TrainState(recipe=recipe_to_dict(recipe)), False
+        weights = "lora" if run.adapters is not None else "full"
+        state, replacing = TrainState(recipe=recipe_to_dict(recipe), weights=weights), False
         try:
             if resume:
                 state = _resume(run, on_notice)
             elif main:
                 replacing = True
                 run_dir.create(recipe, environment(run.device))  # an old run (approved --overwrite) is moved aside
-            return _run_steps(run, state, resume, on_step, summary_writer)
+            if run.adapters is not None and main and on_notice is not None:
+                on_notice(adapter_line(run.model))
+            return _run_steps(run, state, resume, on_step, on_notice, summary_writer)
         except BaseException:
             if replacing:
                 run_dir.restore_replaced()  # the new run logged no step: the one it was to replace comes back
@@ -155,16 +177,22 @@ def _resume(run: Run, on_notice: Callable[[str], None] | None) -> TrainState:
 
 
 def _run_steps(
-    run: Run, state: TrainState, resume: bool, on_step: Callable[[dict[str, float]], None] | None, summary_writer
+    run: Run,
+    state: TrainState,
+    resume: bool,
+    on_step: Callable[[dict[str, float]], None] | None,
+    on_notice: Callable[[str], None] | None,
+    summary_writer,
 ) -> dict | None:
     """The loop: the base's held-out figures, then RL steps with logging, checkpoints and clean stops."""
     recipe, run_dir, main = run.recipe, run.run_dir, distributed.is_main()
     writer = summary_writer(str(run_dir.tensorboard)) if summary_writer else None
 
     def checkpoint() -> None:
+        contents = checkpoint_contents(run.model, run.optimizer)  # every rank: a sharded model is gathered
         if main:
             capture_rng(state)
-            save_checkpoint(run_dir.checkpoint, run.model, run.optimizer, state)
+            write_checkpoint(run_dir.checkpoint, contents, state)
 
     def show(step: int, rows: list[dict]) -> None:
         run_dir.write_samples(step, rows)
@@ -190,7 +218,7 @@ def _run_steps(
             base_eval = held_out_metrics(run, shown)
             run_dir.write_summary({"base": base_eval})
             show(0, shown)
-    started = time.perf_counter()
+    started, measured = time.perf_counter(), False
     with _StopRequest() as stop:
         while state.step < recipe.run.steps:
             try:
@@ -201,6 +229,9 @@ def _run_steps(
                 checkpoint()
                 raise TrainingStopped(_bad_steps_message(run, state)) from None
             state.step += 1
+            if is_sharded(run.model) and main and on_notice is not None and not measured:
+                on_notice(memory_line(run.model, run.optimizer))  # after a step: gradients and moments exist
+                measured = True
             if not finite:
                 _count_bad_step(state)
             if state.step % recipe.eval.every == 0 or state.step == recipe.run.steps:
@@ -285,7 +316,7 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 # where it runs.  Anything else would make the run something other than what its checkpoint trained.
 RESUMABLE_EDITS = {("run", "steps"), ("run", "checkpoint_every"), ("run", "max_bad_steps"), ("run", "tensorboard"),
                    ("run", "rollback"), ("eval", "every"), ("model", "device"), ("algo", "micro_batch"),
-                   ("algo", "skip_zero_advantage")}  # fmt: skip
+                   ("algo", "skip_zero_advantage"), ("model", "shard")}  # fmt: skip
 
 
 def _check_same_recipe(state: TrainState, recipe: Recipe, run_dir: RunDir) -> None:
@@ -335,7 +366,12 @@ def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dic
         "seed": run.recipe.run.seed,
         "train_seconds_this_session": round(seconds, 1),
     }
-    run.run_dir.finish(run.model, run.tokenizer, summary)
+    if run.adapters is not None:
+        run.run_dir.finish(lambda directory: write_final_model(run.adapters, directory), run.tokenizer, summary)
+    elif is_sharded(run.model):  # the sampler's full copy holds the final weights (it is refreshed after each update)
+        run.run_dir.finish(run.sampler.full_copy.save_pretrained, run.tokenizer, summary)
+    else:
+        run.run_dir.finish(run.model.save_pretrained, run.tokenizer, summary)
     return summary
 
 
@@ -428,6 +464,8 @@ def update_step(
     minibatches = parts(advantages.shape[0], algo.minibatches)  # row slices of whole groups
     # each mini-batch's rows to train on, cut into micro-batches once for every pass over it
     pieces = [cut_micro_batches(run.model, rollout, trained_rows(algo, advantages, part), algo) for part in minibatches]
+    if is_sharded(run.model):  # every rank takes as many passes as the busiest: each one is a collective
+        pieces = lockstep(pieces, minibatches, run.device)
     on_policy = is_on_policy(algo)
     old_logp = ref_logp = None
     with clock("logprobs"), torch.no_grad(), run.numerics.autocast():
@@ -437,6 +475,9 @@ def update_step(
             old_logp = rollout.logprobs  # [rows, T], the backend's own (it says they match)
         if run.reference is not None:
             ref_logp = _logprobs(run.reference, rollout, pieces, cfg.rollout.temperature)
+        elif algo.beta > 0:  # LoRA: the reference is the policy's base, its adapters off
+            with reference_pass(run.adapters):
+                ref_logp = _logprobs(run.model, rollout, pieces, cfg.rollout.temperature)
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.run.steps)
 
@@ -489,14 +530,20 @@ def _optimiser_step(
     # the mini-batch's normaliser (its tokens or sequences) over every rank: a micro-batch's share is its own / this
     total = distributed.all_sum(aggregation_normaliser(rollout.completion_mask[part], algo.agg).double()).clamp(min=1)
     run.optimizer.zero_grad(set_to_none=True)
+    sharded = is_sharded(run.model)
+    scale = loss_scale() if sharded else 1.0  # FSDP averages the ranks' gradients; these are to be summed
     micro, finite = [], True
     for where in pieces:
+        idle, where = isinstance(where, Idle), pass_rows(where)
         sub = trimmed(rows(rollout, where))  # the micro-batch: every [rows, ...] tensor indexed by `where`
         width = sub.completion_ids.shape[1]
         with run.numerics.autocast():  # logp, entropy: [micro rows, width] float32
             logp, entropy = completion_logprobs_and_entropy(
                 run.model, sub, cfg.rollout.temperature, entropy_grad=bool(algo.entropy_coef)
             )
+        if idle:  # a sharded model's pass that keeps the ranks in step: its backward adds zeros
+            (logp.sum() * 0.0).backward()
+            continue
         loss, metrics = policy_loss(
             logp,
             logp.detach() if on_policy else old_logp[where, :width],
@@ -514,22 +561,27 @@ def _optimiser_step(
         )
         if not torch.isfinite(loss):
             finite = False
-            break
+            if not sharded:
+                break
+            (loss * 0.0).backward()  # FSDP: the other ranks wait in this pass's collectives; the step is dropped
+            continue
         weight = (aggregation_normaliser(sub.completion_mask, algo.agg) / total).item()  # its exact share
-        (loss * weight).backward()
+        (loss * (weight * scale)).backward()
         micro.append((metrics, float(sub.completion_mask.sum()), weight))
-    for parameter in run.model.parameters():  # no row trained: a zero gradient still steps AdamW (momentum,
-        if parameter.grad is None and parameter.requires_grad:  # weight decay), exactly as computing it would
+    params = trained_parameters(run.model)
+    for parameter in params:  # no row trained: a zero gradient still steps AdamW (momentum, weight decay),
+        if parameter.grad is None:  # exactly as computing it would
             parameter.grad = torch.zeros_like(parameter)
-    distributed.sum_gradients(run.model.parameters())
+    if not sharded:  # FSDP has reduced them already
+        distributed.sum_gradients(params)
     finite = bool(distributed.all_min(torch.tensor(float(finite), device=run.device)))
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip).item() if finite else 0.0
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)).item() if finite else 0.0
     if not (finite and math.isfinite(grad_norm)):
         run.optimizer.zero_grad(set_to_none=True)
         return None
     run.optimizer.step()
     rows_here = part.stop - part.start
-    trained = sum(len(where) for where in pieces)
+    trained = sum(len(where) for where in pieces if not isinstance(where, Idle))
     skipped = distributed.all_sum(torch.tensor([rows_here - trained, rows_here], device=run.device))
     keys = list(micro[0][0]) if micro else _metric_names(run.recipe)  # the same on every rank
     measured = reduce_step_metrics(micro, keys, run.device)
@@ -546,14 +598,41 @@ def cut_micro_batches(model: torch.nn.Module, rollout: Rollout, trained: torch.T
     return micro_batches(trained, size)
 
 
+def lockstep(pieces: list[list[torch.Tensor]], minibatches: list[slice], device: torch.device):
+    """Each mini-batch's micro-batches padded to the most any rank has, with empty ones (`IDLE`) that name one
+    row of the mini-batch: a sharded model runs a pass on it that contributes nothing (FSDP's collectives
+    need every rank in every pass)."""
+    counts = distributed.all_max(torch.tensor([len(micro) for micro in pieces], device=device)).tolist()
+    return [
+        micro + [idle_rows(part)] * (count - len(micro))
+        for micro, part, count in zip(pieces, minibatches, counts, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class Idle:
+    """A pass that only keeps a sharded model's ranks in step (`lockstep`), on these rows."""
+
+    rows: torch.Tensor
+
+
+def idle_rows(part: slice) -> Idle:
+    return Idle(torch.tensor([part.start]))
+
+
+def pass_rows(where: torch.Tensor | Idle) -> torch.Tensor:
+    return where.rows if isinstance(where, Idle) else where
+
+
 def _logprobs(
     model: torch.nn.Module, rollout: Rollout, pieces: list[list[torch.Tensor]], temperature: float
 ) -> torch.Tensor:
     """No-grad logprobs [rows, T] of the rows the update trains on, in its micro-batches; 0 elsewhere."""
     out = torch.zeros_like(rollout.logprobs)
     for where in (where for micro in pieces for where in micro):
-        logp = completion_logprobs(model, trimmed(rows(rollout, where)), temperature)
-        out[where, : logp.shape[1]] = logp
+        logp = completion_logprobs(model, trimmed(rows(rollout, pass_rows(where))), temperature)
+        if not isinstance(where, Idle):
+            out[where, : logp.shape[1]] = logp
     return out
 
 
@@ -626,6 +705,7 @@ class Run:
     snapshot: Snapshot | None = None  # the state before the latest update (`run.rollback`)
     style: PromptStyle = PLAIN  # how the prompts were written (`atrctl.prompts`)
     eval_batch: int = 1024  # completions sampled at once in held-out checks (eval.batch, or sized from the model)
+    adapters: object | None = None  # the peft wrapper of `model` when it trains LoRA adapters (`atrctl.adapters`)
 
     @property
     def device(self) -> torch.device:
@@ -643,6 +723,8 @@ def build_run(
     from atrctl.rollout import rollout_backend
 
     validate_algo(recipe)
+    lora = lora_settings(recipe.model.lora)
+    check_can_shard(recipe.model.shard, distributed.world_size(), bool(lora))
     task = get_task(recipe.task.name, **recipe.task.args)
     with distributed.main_first():  # rank 0 builds a missing base; the others then load it
         base, _ = ensure_base(recipe, results, on_warmup)
@@ -654,11 +736,19 @@ def build_run(
     compute = numerics(next(model.parameters()).device, policy=recipe.model.autocast, width=width)
     if recipe.model.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
+    adapters = add_adapters(model, lora, recipe.run.seed) if lora else None  # injected into `model` in place
     model.train()
     reference = None
-    if recipe.algo.beta > 0:
+    if recipe.algo.beta > 0 and adapters is None:  # with adapters the reference is the base they sit on
         reference, _ = load_model(str(base), recipe.model.device, recipe.model.dtype)
         reference.requires_grad_(False)
+    sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
+    if recipe.model.shard == "fsdp":
+        sampled = full_copy(model)
+        bf16 = compute.device.type == "cuda" and compute.autocast_enabled
+        shard_model(model, bf16)
+        if reference is not None:
+            shard_model(reference, bf16)
     pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
     held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
     style = prompt_style(task, recipe.task.chat_template, recipe.task.system_prompt, recipe.task.instruction)
@@ -668,15 +758,18 @@ def build_run(
     eval_batch = sized_batch(model, longest, recipe.eval.batch)  # the held-out checks' KV cache is bounded
     # The fused kernel (CPU and CUDA) updates every tensor in one pass: ~6x faster than the per-tensor loop.
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay, fused=True
+        trained_parameters(model), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay, fused=True
     )
     run_dir = directory if isinstance(directory, RunDir) else RunDir(directory)
+    sampler = rollout_backend(recipe.rollout.backend, sampled, tokenizer, compute)
+    if sampled is not model:
+        sampler = GatheredSampler(sampler, sampled)
     return Run(
         recipe,
         run_dir,
         model,
         tokenizer,
-        rollout_backend(recipe.rollout.backend, model, tokenizer, compute),
+        sampler,
         compute,
         task,
         pool,
@@ -688,6 +781,7 @@ def build_run(
         Snapshot(model, optimizer) if recipe.run.rollback else None,
         style,
         eval_batch,
+        adapters,
     )
 
 

@@ -147,12 +147,12 @@ def test_a_model_whose_logits_are_not_the_projection_keeps_its_logits(monkeypatc
     head = model.lm_head
     monkeypatch.setattr(model, "lm_head", torch.nn.Sequential(head, torch.nn.Tanh()))  # soft-capped logits
     monkeypatch.setattr(model, "get_output_embeddings", lambda: head)  # as a soft-capping model reports it
-    assert not forward._head_is_linear(model)
+    assert not forward.head_is_linear(model)
     want = plain(model, rollout, 1.0)
     with torch.no_grad():
         got = completion_logprobs_and_entropy(model, rollout)
     torch.testing.assert_close(got[0], want[0].detach(), atol=1e-6, rtol=0)
-    assert forward._head_is_linear(small_model("llama"))
+    assert forward.head_is_linear(small_model("llama"))
 
 
 def test_selective_log_softmax_of_nothing_is_zeros():

@@ -73,7 +73,7 @@ def test_finished_and_evaluated(tmp_path):
     tokenizer = build_char_tokenizer()
     run.write_summary({"base": {"eval/greedy": 0.1}})
     assert run.read_summary() == {"base": {"eval/greedy": 0.1}} and not run.finished
-    run.finish(build_model("tiny", tokenizer), tokenizer, {"base": {}, "final": {"eval/greedy": 0.2}})
+    run.finish(build_model("tiny", tokenizer).save_pretrained, tokenizer, {"base": {}, "final": {"eval/greedy": 0.2}})
     assert (run.model / "config.json").is_file() and not (tmp_path / ".model.tmp").exists()
     assert run.finished and run.read_summary()["final"] == {"eval/greedy": 0.2} and not run.evaluated
     run.eval.mkdir()
@@ -87,7 +87,7 @@ def test_the_model_appears_after_the_summary(tmp_path, monkeypatch):
     tokenizer = build_char_tokenizer()
     monkeypatch.setattr(RunDir, "write_summary", lambda self, summary: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
-        run.finish(build_model("tiny", tokenizer), tokenizer, {"final": {}})
+        run.finish(build_model("tiny", tokenizer).save_pretrained, tokenizer, {"final": {}})
     assert not run.model.exists() and not run.finished
 
 

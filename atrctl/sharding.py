@@ -1,0 +1,199 @@
+"""FSDP2 sharding of the policy over torchrun's processes (`model.shard = "fsdp"`).
+
+Data parallelism replicates weights, gradients and AdamW's two moments on every process: ~16 bytes per
+parameter.  Sharded with PyTorch's own FSDP2 (`fully_shard`: one unit per decoder layer, then the root,
+which holds the embedding, final norm and output projection), each process keeps 1/N of all of them
+and gathers a layer's full weights only while it computes with that layer.
+
+What changes around the model, and why:
+- Every forward and backward pass is a collective (a layer's all-gather, its gradients'
+  reduce-scatter), so every rank must run the same passes in the same order whatever its rows: the
+  update pads a rank's short list of micro-batches with passes that contribute nothing
+  (`train.update_step`), and the forward pass runs the root model once per micro-batch
+  (`forward._completion_states`).
+- Sampling does not: a rank samples its prompts, and rank 0 alone runs the held-out checks, so a
+  rollout cannot wait for the other ranks at every token.  The sampler keeps a full, unsharded copy of
+  the policy (`GatheredSampler`), refreshed by one all-gather per parameter after each update: the
+  weights it samples are exactly the trained ones, at 4 bytes per parameter more per process.
+- FSDP averages gradients over ranks, while atrctl's loss is already scaled by the global normaliser
+  (its gradients are summed, `train._optimiser_step`): the loss is multiplied by N first
+  (`loss_scale`), exact for N a power of two.  (The exact alternative, FSDP's divide factor 1, needs a
+  PREMUL_SUM reduction that gloo does not have.)
+- Checkpoints gather the full weights and optimiser state to rank 0, which writes the same files as an
+  unsharded run; a resume scatters them again, at any N.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from atrctl import distributed
+from atrctl.errors import UserError
+
+
+def check_can_shard(shard: str, world: int, lora: bool) -> None:
+    """Fail before any work: sharding needs several processes, and is not combined with LoRA."""
+    if shard != "fsdp":
+        return
+    if world < 2:
+        raise UserError(
+            'model.shard = "fsdp" needs several processes to shard over: run with --nproc N (or under '
+            'torchrun), or set model.shard = "none"'
+        )
+    if lora:
+        raise UserError(
+            'model.shard = "fsdp" with model.lora is not supported: LoRA keeps the base frozen, so shard '
+            'nothing (model.shard = "none") or train every weight sharded (model.lora = {})'
+        )
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model: torch.nn.Module, bf16: bool) -> torch.nn.Module:
+    """Shard `model` in place over the process group: each decoder layer, then the root.  `bf16`: gather
+    the layers' weights in bf16 and reduce gradients in float32 (CUDA), the float32 master weights
+    staying sharded; otherwise everything stays float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from atrctl.forward import head_is_linear
+
+    head_is_linear(model)  # settled now: its probe runs the decoder alone, which a sharded root cannot
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    options = {"mp_policy": policy} if policy else {}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model)  # the root (embedding, norm, head) stays float32: the logits' precision
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's repeated blocks (`model.model.layers` in transformers' decoder-only models)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise UserError(
+            f'model.shard = "fsdp": {type(model).__name__} has no list of decoder layers to shard; use '
+            'model.shard = "none"'
+        )
+    return list(layers)
+
+
+def loss_scale() -> float:
+    """What the loss is multiplied by so that FSDP's mean of the ranks' gradients is their sum."""
+    return float(distributed.world_size())
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a sharded tensor (the tensor itself when it is not one)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded tensor on every rank (a collective); the tensor itself when it is not one."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class GatheredSampler:
+    """A rollout backend sampling a full copy of a sharded policy, so that sampling runs without collectives.
+    `load_weights(policy)` (every rank, after each update) copies the policy's gathered weights into it."""
+
+    def __init__(self, backend, full_copy: torch.nn.Module):
+        self.backend, self.full_copy = backend, full_copy
+
+    @property
+    def logprobs_match_training(self) -> bool:
+        return self.backend.logprobs_match_training
+
+    def generate(self, *args, **kwargs):
+        return self.backend.generate(*args, **kwargs)
+
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for (name, sharded), (own, kept) in zip(
+                policy.named_parameters(), self.full_copy.named_parameters(), strict=True
+            ):
+                assert name == own, f"{name} != {own}"
+                kept.copy_(full_tensor(sharded.detach()))
+        self.backend.load_weights(self.full_copy)
+
+
+def full_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """An unsharded copy of `model`, taken before it is sharded: what `GatheredSampler` samples."""
+    duplicate = copy.deepcopy(model)
+    duplicate.requires_grad_(False)
+    return duplicate
+
+
+def full_contents(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """(full weights on the CPU, optimiser state in `optimizer.state_dict()`'s layout with full tensors) on
+    rank 0, None on the others: one all-gather per tensor, every rank in the same order."""
+    main = distributed.is_main()
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        whole = full_tensor(tensor.detach())
+        if main:
+            weights[name] = whole.to("cpu").contiguous()
+    state = optimizer.state_dict()
+    gathered = {}
+    for index in sorted(state["state"]):
+        entry = {}
+        for key, value in state["state"][index].items():
+            whole = full_tensor(value) if isinstance(value, torch.Tensor) else value
+            if main:
+                entry[key] = whole.to("cpu") if isinstance(whole, torch.Tensor) else whole
+        gathered[index] = entry
+    return (weights, {"state": gathered, "param_groups": state["param_groups"]}) if main else None
+
+
+def load_full_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Put full weights (every rank holds them) into a sharded model: each rank keeps its part."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Load an optimiser state of full tensors (`full_contents`' layout) into the optimiser of a sharded
+    model: each parameter's moments are cut as the parameter is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    state = {}
+    for index, entry in saved["state"].items():
+        param = params[index]
+        state[index] = {
+            key: distribute_tensor(value.to(local_part(param).device), param.device_mesh, param.placements)
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.shape
+            else value
+            for key, value in entry.items()
+        }
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def memory_line(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """What this rank holds of the trained parameters, their gradients and AdamW's state, against the whole
+    (what one process holds unsharded), measured from the tensors themselves."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    tensors = [*params, *(p.grad for p in params if p.grad is not None)]
+    tensors += [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    here = sum(local_part(t).numel() * local_part(t).element_size() for t in tensors)
+    whole = sum(t.numel() * t.element_size() for t in tensors)  # a sharded tensor's numel is the whole one's
+    return (
+        f"model.shard = fsdp over {distributed.world_size()} processes: rank {distributed.rank()} holds "
+        f"{here / 2**20:.1f} MiB of parameters, gradients and AdamW state, {here / whole:.2f} of the "
+        f"{whole / 2**20:.1f} MiB each process would hold unsharded (+ {_bytes(params) / 2**20:.1f} MiB of "
+        "full float32 weights for sampling)"
+    )
+
+
+def _bytes(params: list[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)

@@ -1,0 +1,159 @@
+"""FSDP2 sharding (`model.shard = "fsdp"`) under torchrun with 2 gloo processes on the CPU.
+
+A sharded run must be the single-process run: the same losses, metrics and final weights up to float
+noise (the ranks' gradients are summed in another order), with ~1/2 of the trained state on each rank.
+The recipe skips zero-advantage rows and cuts one-row micro-batches, so the ranks have unequal numbers
+of passes and the update's lockstep padding is exercised.  Checkpoints are the unsharded files: a run
+moves between sharded and unsharded, and between process counts, at any checkpoint.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from atrctl.config import load_recipe
+from atrctl.errors import UserError
+from atrctl.sharding import check_can_shard
+from atrctl.train import train
+
+FAST = [
+    "task.args.digits=1",
+    "model.device=cpu",
+    "warmup.max_steps=15",  # a weak base: mixed rewards, so rows are skipped unevenly over the ranks
+    "warmup.target_accuracy=1.0",
+    "warmup.batch_size=32",
+    "warmup.eval_every=15",
+    "warmup.eval_problems=10",
+    "rollout.prompts=4",
+    "rollout.group_size=4",
+    "rollout.sample_batch=4",  # one prompt per sampling chunk: the same chunks at 1 and 2 processes
+    "eval.problems=6",
+    "eval.samples=2",
+    "eval.every=100",
+    "run.steps=3",
+    "algo.minibatches=2",
+    "algo.num_iterations=2",
+    "algo.micro_batch=1",
+    "optim.lr=1e-3",
+]
+
+
+def recipe(*overrides):
+    return load_recipe(None, [*FAST, *overrides])
+
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def records(directory):
+    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(directory):
+    return load_file(directory / "model" / "model.safetensors")
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=2e-5, msg=name)
+
+
+def torchrun(*args, check=True):
+    env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    done = subprocess.run([*command, "-m", "atrctl", "train", *args], capture_output=True, text=True, env=env)
+    assert not check or done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def cli_sets(*overrides):
+    return [arg for item in (*FAST, *overrides) for arg in ("--set", item)]
+
+
+def set_in_config(directory, **values):
+    """Edit config.toml's [model]/[run] entries a resume may change (model.shard, run.steps)."""
+    config = directory / "config.toml"
+    text = config.read_text()
+    for key, value in values.items():
+        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
+        assert count == 1, key
+    config.write_text(text)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_sharding_needs_several_processes_and_full_weights():
+    check_can_shard("none", 1, lora=True)
+    check_can_shard("fsdp", 2, lora=False)
+    with pytest.raises(UserError, match=r'model.shard = "fsdp" needs several processes .* --nproc N'):
+        check_can_shard("fsdp", 1, lora=False)
+    with pytest.raises(UserError, match=r'model.shard = "fsdp" with model.lora is not supported'):
+        check_can_shard("fsdp", 2, lora=True)
+    with pytest.raises(UserError, match=r"model.shard = 'zero3' is not one of none, fsdp"):
+        recipe("model.shard=zero3")
+
+
+def test_a_sharded_run_in_one_process_is_refused_before_anything_is_written(tmp_path, capsys):
+    from atrctl.cli import main
+
+    assert main(["train", "--results", str(tmp_path), "--name", "alone", *cli_sets("model.shard=fsdp")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs several processes to shard over" in err
+    assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------ torchrun
+
+
+@pytest.fixture(scope="module")
+def single(results):
+    """The single-process, unsharded run every sharded run is compared with."""
+    directory = results / "single"
+    train(recipe(), directory, results=results)
+    return directory
+
+
+@pytest.mark.slow
+def test_a_sharded_run_matches_one_process_and_only_rank_zero_writes(results, single):
+    done = torchrun("--name", "sharded", "--results", str(results), *cli_sets("model.shard=fsdp"))
+    directory = results / "sharded"
+    assert_same_weights(weights(single), weights(directory))
+    assert sorted(p.name for p in directory.iterdir()) == sorted(p.name for p in single.iterdir())
+    logged, alone = records(directory), records(single)
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert any(0 < r["rows/skipped"] < 1 for r in alone)  # rows were skipped, and not all of them
+    for ours, theirs in zip(logged, alone, strict=True):
+        for key in ("reward/mean", "frac_zero_std", "len/mean", "rows/skipped"):
+            assert ours[key] == theirs[key], key
+        for key in ("loss", "entropy", "kl3/mean", "clip/low", "clip/high", "grad_norm"):
+            if key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
+    assert done.stdout.count("done:") == 1  # only rank 0 reports
+    # the trained state each rank holds, measured: half of it, up to the rows of a matrix split unevenly
+    line = re.search(r"rank 0 holds ([\d.]+) MiB .*?, ([\d.]+) of the ([\d.]+) MiB", done.stderr)
+    assert line, done.stderr[-2000:]
+    assert 0.45 < float(line.group(2)) < 0.55
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_unsharded_and_the_other_way(results, single):
+    sharded_first = results / "sharded-first"
+    torchrun("--name", sharded_first.name, "--results", str(results), *cli_sets("model.shard=fsdp", "run.steps=1"))
+    set_in_config(sharded_first, shard='"none"', steps=3)
+    train(recipe("run.steps=3"), sharded_first, results=results, resume=True)
+    assert_same_weights(weights(single), weights(sharded_first))
+
+    alone_first = results / "alone-first"
+    train(recipe("run.steps=1"), alone_first, results=results)
+    set_in_config(alone_first, shard='"fsdp"', steps=3)
+    torchrun("--resume", str(alone_first))
+    assert_same_weights(weights(single), weights(alone_first))
+    assert [r["step"] for r in records(alone_first)] == [1, 2, 3]
