@@ -220,7 +220,7 @@ def _single_pass(module, rollout: Rollout, pick, is_lm: bool) -> torch.Tensor:
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
     keep = {"logits_to_keep": completion.shape[1] + 1} if is_lm else {}
     ids = torch.cat([prompt, completion], dim=1)
-    out = pick(module(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), **keep))
+    out = pick(module(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False, **keep))
     return out[:, -completion.shape[1] - 1 : -1]
 
 

@@ -738,16 +738,17 @@ def build_run(
         model.activation_checkpointing_enable({"use_reentrant": False})
     adapters = add_adapters(model, lora, recipe.run.seed) if lora else None  # injected into `model` in place
     model.train()
+    sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
+    sharded = recipe.model.shard == "fsdp"
+    bf16 = compute.device.type == "cuda" and compute.autocast_enabled  # FSDP gathers in bf16 where it computes so
+    if sharded:
+        sampled = full_copy(model)
+        shard_model(model, bf16)
     reference = None
     if recipe.algo.beta > 0 and adapters is None:  # with adapters the reference is the base they sit on
-        reference, _ = load_model(str(base), recipe.model.device, recipe.model.dtype)
-        reference.requires_grad_(False)
-    sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
-    if recipe.model.shard == "fsdp":
-        sampled = full_copy(model)
-        bf16 = compute.device.type == "cuda" and compute.autocast_enabled
-        shard_model(model, bf16)
-        if reference is not None:
+        reference, _ = load_model(str(base), recipe.model.device, recipe.model.dtype)  # after the policy is
+        reference.requires_grad_(False)  # sharded: two whole models at once need not fit
+        if sharded:
             shard_model(reference, bf16)
     pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
     held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One prepared GPU check (about 5 minutes on one H100/H200): step time, tokens/s, MFU and peak GPU memory of
-# the default recipe on the tiny, medium and Qwen2.5-0.5B-shaped models (bf16 autocast, 64 prompts x 8,
-# 256 new tokens, EOS suppressed), then the CUDA tests.  Run from anywhere; prints everything to stdout.
+# Prepared GPU checks, each about 5 minutes; run from anywhere, everything goes to stdout.
+#   benchmarks/gpu_check.sh [scaling]   step time, tokens/s, MFU and peak GPU memory of the default recipe on the
+#                                       tiny, medium and Qwen2.5-0.5B-shaped models (bf16 autocast, 64 prompts x 8,
+#                                       256 new tokens, EOS suppressed), then the CUDA tests (one GPU)
+#   benchmarks/gpu_check.sh shard       a few FSDP2-sharded steps of the Qwen2.5-0.5B shape over every GPU of the
+#                                       machine (two or more), then LoRA on one GPU: tokens/s, MFU, peak memory per rank
 #
 # The machine needs a CUDA torch.  Anything else atrctl needs that is missing there travels as wheels in
 # .whl/ (built here with `pip download --no-deps --only-binary=:all: ... -d .whl NAME==VERSION`, at least
@@ -19,5 +22,22 @@ assert torch.cuda.is_available(), "no CUDA device: this check is for a GPU machi
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 420 python3 benchmarks/scaling.py --no-cpu --gpu --steps 2
-timeout 120 python3 -m pytest -q -m gpu tests || true
+case "${1:-scaling}" in
+scaling)
+    timeout 420 python3 benchmarks/scaling.py --no-cpu --gpu --steps 2
+    timeout 120 python3 -m pytest -q -m gpu tests || true
+    ;;
+shard)
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    if [ "$gpus" -ge 2 ]; then
+        timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/shard_check.py
+    else
+        echo "one GPU: FSDP needs two or more (nccl puts one process on each); sharded steps skipped"
+    fi
+    timeout 100 python3 benchmarks/shard_check.py --lora
+    ;;
+*)
+    echo "usage: benchmarks/gpu_check.sh [scaling|shard]" >&2
+    exit 2
+    ;;
+esac
