@@ -195,6 +195,17 @@ def test_a_kl_penalty_uses_the_base_under_the_adapters(results, monkeypatch):
 
 
 @pytest.mark.slow
+def test_target_modules_the_model_lacks_stop_the_run_before_it_is_written(results, capsys):
+    from atrctl.cli import main
+
+    sets = [arg for item in (*FAST, 'model.lora={target_modules = ["q_prj"]}') for arg in ("--set", item)]
+    assert main(["train", "--results", str(results), "--name", "typo", *sets]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "q_prj is not a linear layer of this model" in err
+    assert not (results / "typo").exists()
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_other_weights_is_refused_in_one_line(results, capsys):
     from atrctl.cli import main
 
