@@ -5,7 +5,10 @@ Heavy libraries stay out: this module is imported by `atrctl --help`.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -127,6 +130,82 @@ def catalog_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[st
 # ------------------------------------------------------------------ progress
 
 
+PLAIN_INTERVAL = 30.0
+"""Seconds between the plain progress lines written where stdout is not a terminal (ATRCTL_PROGRESS_SECONDS
+changes it; 0 writes every update)."""
+
+
+class PlainProgress:
+    """What a rich Progress shows, as plain lines for a log file: rich draws its bars with control codes that
+    a file gets only at the end, so a job under nohup or SLURM would look hung.  A bar's line is written at
+    its first update, then every `interval` seconds while it is updated (news or not: a heartbeat), and
+    when it completes: description, done/total, its status fields, elapsed time and the remaining time at
+    the rate so far.  With interval 0 every update that changed something is written."""
+
+    def __init__(self, *columns, console: Console, interval: float | None = None, **ignored):
+        self.file = console.file
+        if interval is None:
+            interval = float(os.environ.get("ATRCTL_PROGRESS_SECONDS", PLAIN_INTERVAL))
+        self.interval = interval
+        self.bars: dict[int, dict] = {}
+        self.live = types.SimpleNamespace(transient=False, stop=lambda: None)  # what training_bars' quiet stop sets
+        self.disable = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            for bar in self.bars.values():  # the state each bar ended in, unless its last line said it
+                if bar["written"] != (bar["completed"], bar["fields"]):
+                    self._write(bar)
+        return False
+
+    def add_task(self, description: str, total: float | None = None, **fields) -> int:
+        key = len(self.bars)
+        now = time.monotonic()
+        self.bars[key] = {"description": description, "total": total, "completed": 0, "fields": fields,
+                          "started": now, "last": None, "written": None}  # fmt: skip
+        return key
+
+    def update(self, key: int, *, completed: float | None = None, total: float | None = None, **fields) -> None:
+        bar = self.bars[key]
+        if completed is not None:
+            bar["completed"] = completed
+        if total is not None:
+            bar["total"] = total
+        bar["fields"] = {**bar["fields"], **fields}
+        now, finished = time.monotonic(), bar["total"] is not None and bar["completed"] >= bar["total"]
+        if self.disable:
+            return
+        changed = bar["written"] != (bar["completed"], bar["fields"])
+        due = bar["last"] is None or now - bar["last"] >= self.interval
+        if (finished and changed) or (due and (changed or self.interval > 0)):  # a due line with no news: a heartbeat
+            self._write(bar)
+
+    def _write(self, bar: dict) -> None:
+        now = time.monotonic()
+        elapsed, done, total = now - bar["started"], bar["completed"], bar["total"]
+        parts = [bar["description"], f"{done:g}/{total:g}" if total is not None else f"{done:g}"]
+        parts += [str(value) for value in bar["fields"].values() if str(value)]
+        parts.append(f"elapsed {_clock(elapsed)}")
+        if total and 0 < done < total:
+            parts.append(f"ETA {_clock(elapsed * (total - done) / done)}")
+        print("  ".join(parts), file=self.file, flush=True)
+        bar["last"], bar["written"] = now, (bar["completed"], dict(bar["fields"]))
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
+def live_or_plain(*columns, **options):
+    """rich's live bars on a terminal; elsewhere (a log file, a pipe) `PlainProgress` lines."""
+    return Progress(*columns, **options) if options["console"].is_terminal else PlainProgress(*columns, **options)
+
+
 @contextmanager
 def warmup_bar(max_steps: int) -> Iterator[Callable[[int, float, float | None], None]]:
     """A bar for `atrctl warmup`; yields on_progress(step, loss, held-out accuracy or None)."""
@@ -137,7 +216,7 @@ def warmup_bar(max_steps: int) -> Iterator[Callable[[int, float, float | None], 
         TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=True) as progress:
+    with live_or_plain(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("warm-up", total=max_steps, status="")
         shown = {"accuracy": "–"}
 
@@ -161,8 +240,9 @@ def training_bars(loss: str, steps: int, warmup_steps: int):
         TextColumn("{task.fields[status]}"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as progress:
+    with live_or_plain(*columns, console=console, transient=False) as progress:
         bars: dict[str, int] = {}  # created when that phase starts: a cached base shows no warm-up bar
+        evaluated: dict = {}
 
         def on_warmup(step: int, loss_value: float, accuracy: float | None) -> None:
             if "warmup" not in bars:
@@ -178,8 +258,12 @@ def training_bars(loss: str, steps: int, warmup_steps: int):
                 f"high {record.get('clip/high', 0):.3f}  kl3 {record.get('kl3/mean', 0):.2e}  "
                 f"entropy {record.get('entropy', 0):.3f}  {record['tokens_per_s']:.0f} tok/s"
             )
-            if "eval/greedy" in record:
-                status += f"  eval greedy {record['eval/greedy']:.1%} pass@1 {record['eval/pass@1']:.1%}"
+            if "eval/greedy" in record:  # the latest held-out figures stay shown until the next ones
+                evaluated["text"] = f"eval greedy {record['eval/greedy']:.1%} pass@1 {record['eval/pass@1']:.1%}"
+                evaluated["step"] = record["step"]
+            if evaluated:
+                at = "" if evaluated["step"] == record["step"] else f" (step {evaluated['step']})"
+                status += f"  {evaluated['text']}{at}"
             progress.update(bars["train"], completed=record["step"], status=status)
 
         try:
@@ -195,7 +279,7 @@ def training_bars(loss: str, steps: int, warmup_steps: int):
 def sampling_bar(total: int) -> Iterator[Callable[[int, int], None]]:
     """A bar over problems sampled; yields on_progress(done, total) (total: this process's share)."""
     columns = (TextColumn("sampling"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    with live_or_plain(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("sampling", total=total)
         yield lambda done, share: progress.update(bar, completed=done, total=share)
 
@@ -211,7 +295,7 @@ def phase_bars() -> Iterator[Callable[[str, str, int, int, str], None]]:
         TextColumn("{task.fields[note]}"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console) as progress:
+    with live_or_plain(*columns, console=console) as progress:
         bars: dict[str, int] = {}
 
         def advance(key: str, description: str, done: int, total: int, note: str = "") -> None:

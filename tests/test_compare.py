@@ -97,9 +97,15 @@ def compare_args(results, *extra):
 
 
 @pytest.mark.slow
-def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys):
+def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", "0")  # every update, as plain lines: stdout is not a terminal
     assert main(compare_args(tmp_path)) == 0
     directory = tmp_path / "compare-grpo-atr"
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and out.count("train 2 runs  4/4") == 1 and "eval grpo-s0  8/8" in out
+    for run in ("grpo", "atr"):  # the training children write theirs to their logs
+        log = (directory / "runs" / f"{run}-s0.log").read_text()
+        assert "\x1b" not in log and f"train {run}  2/2  reward " in log
     for name in ("passk.md", "passk.csv", "passk.png", "training.png", "bounds.png", "report.md", "compare.json"):
         assert (directory / name).stat().st_size > 0, name
     for run in ("grpo-s0", "atr-s0"):
@@ -111,7 +117,7 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys):
     report = (directory / "report.md").read_text()
     assert "atrctl compare grpo atr" in report and "| atr − grpo | 1 |" in report
     assert "problem noise only" in report  # one seed: the report says what its intervals cover
-    assert "atr − grpo" in capsys.readouterr().out
+    assert "atr − grpo" in out
 
     finished = {run: (directory / "runs" / run / "summary.json").stat().st_mtime_ns for run in ("grpo-s0", "atr-s0")}
     assert main(compare_args(tmp_path)) == 0  # the same command again: runs are reused, not retrained

@@ -500,6 +500,24 @@ def test_existing_run_is_refused_unless_resumed_or_overwritten(results, capsys):
     assert json.loads((directory / "summary.json").read_text())["steps"] == 3
 
 
+@pytest.mark.parametrize("seconds, shown", [("0", [1, 2, 3]), ("1000", [1, 3])])
+def test_without_a_terminal_progress_is_plain_lines_at_an_interval(results, capsys, monkeypatch, seconds, shown):
+    """stdout is a file (here pytest's capture): no rich control codes, a line at the first step, then at most
+    one per interval, and the last; each says step/total, reward, the latest held-out figures, elapsed, ETA."""
+    monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", seconds)
+    capsys.readouterr()
+    assert cli(results, "--name", f"plain-{seconds}", "--steps", "3", "--set", "eval.every=2") == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out
+    lines = [line for line in out.splitlines() if line.startswith("train atr ")]
+    assert [int(line.split()[2].split("/")[0]) for line in lines] == shown
+    assert all("/3  reward " in line and "elapsed 0:00:" in line for line in lines)
+    assert "ETA" in lines[0] and "ETA" not in lines[-1]  # the last line has nothing left to estimate
+    assert "eval greedy" in lines[-1] and "pass@1" in lines[-1]
+    if seconds == "0":
+        assert "eval greedy" not in lines[0] and "(step 2)" not in lines[1] and lines[2].endswith(tuple("0123456789"))
+
+
 def test_reference_model_only_with_beta(results):
     _, directory = start(results, "no-reference", "run.steps=1")
     assert "kl/ref" not in records(directory)[0]
