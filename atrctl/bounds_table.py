@@ -111,6 +111,12 @@ def figure_path(out: Path | None, fmt: str | None, max_kl3s: Sequence[float]) ->
     if out is None:
         tag = "_".join(f"{d:g}" for d in sorted(max_kl3s))
         out = Path("results/bounds") / f"bounds-kl3-{tag}.{fmt or FIGURE_FORMATS[0]}"
+    return checked_figure_path(out, fmt)
+
+
+def checked_figure_path(out: Path, fmt: str | None = None) -> Path:
+    """A figure path given by --out (and --format): its type known and agreeing, its folder made; else a
+    UserError saying what to change."""
     suffix = out.suffix.lstrip(".").lower()
     if fmt is None and suffix not in FIGURE_FORMATS:
         endings = ", ".join(f".{f}" for f in FIGURE_FORMATS)
@@ -122,5 +128,5 @@ def figure_path(out: Path | None, fmt: str | None, max_kl3s: Sequence[float]) ->
     except OSError as error:
         raise UserError(f"--out {out}: cannot create {out.parent} ({error.strerror}); choose a writable path") from None
     if out.is_dir():
-        raise UserError(f"--out {out} is a directory; give a file path such as {out / 'bounds.png'}")
+        raise UserError(f"--out {out} is a directory; give a file path such as {out / 'figure.png'}")
     return out

@@ -115,6 +115,45 @@ def plot_bounds(
     console.print(f"wrote {figure_path} and {csv_path}")
 
 
+# ----------------------------------------------------------------- plot
+
+
+@app.command("plot")
+def plot(
+    runs: Annotated[
+        list[Path], typer.Argument(help="Run directories, or compare/sweep directories (one curve per arm).")
+    ],
+    metric: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--metric",
+            help="A metrics.jsonl key; repeat for several panels \\[default: those of reward/mean, entropy and "
+            "kl3/mean the runs log].",
+        ),
+    ] = None,
+    smooth: Annotated[int, typer.Option(help="Trailing moving average over this many steps (1: none).")] = 10,
+    out: Annotated[
+        Path | None, typer.Option(help="Figure path (.png, .svg, .pdf) \\[default: results/plots/<runs>.png].")
+    ] = None,
+) -> None:
+    """Overlay training curves of any runs from their metrics.jsonl: seeds of an arm as a mean and a band."""
+    from atrctl import curves
+    from atrctl.bounds_table import checked_figure_path
+
+    if smooth < 1:
+        raise UserError(f"--smooth must be at least 1 (got {smooth}); 1 draws every step as logged")
+    groups = curves.run_groups(runs)
+    metric = curves.check_metrics(groups, metric)
+    path = checked_figure_path(out or curves.default_path(runs))
+    try:
+        curves.save(curves.curves_figure(groups, metric, smooth), path)
+    except OSError as error:
+        raise UserError(f"--out {path}: cannot write ({error.strerror}); choose a writable path") from None
+    shown = ", ".join(f"{label} ({len(directories)})" if len(directories) > 1 else label
+                      for label, directories in groups.items())  # fmt: skip
+    console.print(f"wrote {path}: {', '.join(metric)} of {shown}", markup=False, highlight=False)
+
+
 # ------------------------------------------------------------------- ls
 
 

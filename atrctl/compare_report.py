@@ -15,18 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from atrctl import atomic
+from atrctl.curves import SMOOTHING
 from atrctl.rundir import RunDir
 
-SMOOTHING = 10
 LEVEL = 0.95
 RESAMPLES = 2000
-TRAINING_PANELS = (
-    ("reward/mean", "reward (mean of the batch)"),
-    ("entropy", "entropy (nats/token)"),
-    ("kl3/mean", "kl3/mean: KL(π_old‖π_θ) per token"),
-    ("clip/low", "clip/low: w<l, A<0"),
-    ("clip/high", "clip/high: w>u, A>0"),
-)
+TRAINING_METRICS = ("reward/mean", "entropy", "kl3/mean", "clip/low", "clip/high")
 
 
 def two_level_bootstrap(arrays: Sequence[np.ndarray], resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
@@ -112,31 +106,10 @@ def table_markdown(rows: Sequence[dict], metrics: Sequence[str]) -> str:
 
 
 def training_figure(runs: dict[str, list[Path]]):
-    """Training curves of every arm: mean over seeds, band from the lowest to the highest seed."""
-    from matplotlib.figure import Figure
+    """Training curves of every arm: mean over seeds, band from the lowest to the highest seed (`curves`)."""
+    from atrctl.curves import curves_figure
 
-    fig = Figure(figsize=(4.2 * len(TRAINING_PANELS), 4.2), layout="constrained")
-    axes = fig.subplots(1, len(TRAINING_PANELS))
-    for (key, title), ax in zip(TRAINING_PANELS, axes, strict=True):
-        for label, directories in runs.items():
-            records = [RunDir(d).read_metrics() for d in directories]
-            length = min(len(r) for r in records)
-            if length == 0:
-                continue
-            steps = np.array([rec["step"] for rec in records[0][:length]])
-            values = np.array([[rec.get(key, np.nan) for rec in r[:length]] for r in records])
-            window = min(SMOOTHING, length)  # per-step values are noisy: a trailing moving average
-            kernel = np.ones(window) / window
-            values = np.array([np.convolve(v, kernel, mode="valid") for v in values])
-            steps = steps[window - 1 :]
-            line = ax.plot(steps, values.mean(0), label=f"{label} ({len(records)} seeds)", lw=1.6)[0]
-            if len(records) > 1:
-                ax.fill_between(steps, values.min(0), values.max(0), color=line.get_color(), alpha=0.2, lw=0)
-        ax.set(title=title, xlabel="step")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"Training curves: mean over seeds of a {SMOOTHING}-step moving average; band: range across seeds")
-    return fig
+    return curves_figure(runs, TRAINING_METRICS, SMOOTHING)
 
 
 MECHANISM_PANELS = (
