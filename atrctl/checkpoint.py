@@ -157,11 +157,12 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
     expected = "lora" if trains_adapters(model) else "full"
     if state.weights != expected:  # before reading a byte of weights: say what differs, not which names are missing
         raise UserError(
-            f"checkpoint {directory} holds {WEIGHTS_KINDS.get(state.weights, state.weights)} but the recipe trains "
+            f"checkpoint {directory} holds {WEIGHTS_KINDS[state.weights]} but the recipe trains "
             f"{WEIGHTS_KINDS[expected]} (model.lora is {'set' if expected == 'lora' else 'off'}); resume with the "
             "recipe the run was started with"
         )
-    device = next(model.parameters()).device
+    # a sharded model reads the full tensors on the host and keeps its part of each: never the whole on its device
+    device = torch.device("cpu") if sharding.is_sharded(model) else next(model.parameters()).device
     try:
         weights = load_file(directory / "model.safetensors", device=str(device))
     except (OSError, SafetensorError) as error:
@@ -180,10 +181,12 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
         sharding.load_full_weights(model, weights)
     else:
         model.load_state_dict(weights, strict=False)  # strict=False: a LoRA checkpoint has no base weights
+    del weights
     try:
         with warnings.catch_warnings():  # a damaged file is reported below, in one line, not as torch's warning
             warnings.simplefilter("ignore", UserWarning)
-            saved = torch.load(directory / "optimizer.pt", map_location=device, weights_only=True)
+            saved = torch.load(directory / "optimizer.pt", map_location=device, weights_only=True,
+                               mmap=sharding.is_sharded(model))  # fmt: skip
         if sharding.is_sharded(model):
             sharding.load_full_optimizer_state(optimizer, saved)
         else:
@@ -207,7 +210,7 @@ def read_state(directory: Path) -> TrainState:
     counters = (state.step, state.bad_steps, state.skipped_steps)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counters):
         raise UserError(f"{path} is not a training state (step and counters must be integers >= 0)")
-    if state.weights not in WEIGHTS_KINDS:
+    if not isinstance(state.weights, str) or state.weights not in WEIGHTS_KINDS:
         raise UserError(f"{path} is not a training state (weights must be one of {', '.join(WEIGHTS_KINDS)})")
     if not isinstance(state.unverified_update, bool):
         raise UserError(f"{path} is not a training state (unverified_update must be true or false)")

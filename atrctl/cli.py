@@ -196,6 +196,23 @@ SetOption = Annotated[
     list[str] | None, typer.Option("--set", help="Override any recipe key: section.key=value (repeatable).")
 ]
 ResultsOption = Annotated[Path, typer.Option(help="Results folder.")]
+ReportToOption = Annotated[
+    list[str] | None,
+    typer.Option(help="Trackers besides metrics.jsonl: tensorboard, wandb (repeatable, or comma-separated)."),
+]
+
+
+def _report_to(names: list[str] | None) -> list[str]:
+    """--report-to as the `--set` override of run.report_to (none when not given)."""
+    if not names:
+        return []
+    listed = [name.strip() for given in names for name in given.split(",") if name.strip()]
+    from atrctl.reporting import check_report_to
+
+    check_report_to(listed)
+    return ["run.report_to=[" + ", ".join(f'"{name}"' for name in listed) + "]"]
+
+
 NprocOption = Annotated[
     int | None, typer.Option(help="Data-parallel processes: relaunches itself under torchrun \\[default: 1].")
 ]
@@ -267,7 +284,8 @@ def train(
     set_: SetOption = None,
     resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory from its checkpoint.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory of the same name.")] = False,
-    tensorboard: Annotated[bool, typer.Option(help="Also write TensorBoard event files.")] = False,
+    tensorboard: Annotated[bool, typer.Option(help="TensorBoard event files too: --report-to tensorboard.")] = False,
+    report_to: ReportToOption = None,
     results: ResultsOption = Path("results"),
     nproc: NprocOption = None,
 ) -> None:
@@ -290,13 +308,14 @@ def train(
     loss_flags = (max_kl3, eps, eps_high)
     if resume is not None:
         given = any(v is not None for v in (*flags.values(), *loss_flags)) or set_ or recipe or name or overwrite
+        given = given or report_to
         if given:
             raise UserError("--resume continues a run with its own recorded recipe: drop the other options")
         run_dir = RunDir(resume)
         config = run_dir.recipe()
         results = resume.parent  # the run's own results folder holds its base
     else:
-        config = load_recipe_with_flags(recipe, flags, list(set_ or []), *loss_flags)
+        config = load_recipe_with_flags(recipe, flags, [*_report_to(report_to), *(set_ or [])], *loss_flags)
         run_dir = RunDir(results / (check_name(name) if name is not None else default_run_name(config)))
 
     from atrctl.train import TrainingStopped, validate_algo
@@ -479,6 +498,7 @@ def compare(
     recipe: RecipeOption = None,
     set_: SetOption = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing comparison of the same name.")] = False,
+    report_to: ReportToOption = None,
     results: ResultsOption = Path("results"),
 ) -> None:
     """Train and evaluate several algorithms side by side (e.g. `atrctl compare grpo atr`)."""
@@ -489,7 +509,8 @@ def compare(
     from atrctl.config import load_recipe
 
     display.quiet_libraries()
-    config = load_recipe(recipe, ([f"run.steps={steps}"] if steps is not None else []) + list(set_ or []))
+    sets = [*([f"run.steps={steps}"] if steps is not None else []), *_report_to(report_to), *(set_ or [])]
+    config = load_recipe(recipe, sets)
     comparison = plan_comparison(
         arms,
         seeds=seeds,
@@ -553,6 +574,7 @@ def sweep(
     recipe: RecipeOption = None,
     set_: SetOption = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing sweep of the same name.")] = False,
+    report_to: ReportToOption = None,
     results: ResultsOption = Path("results"),
 ) -> None:
     """Train LOSS at every grid point (and the --vs arms) from one base and compare them (e.g.
@@ -565,7 +587,8 @@ def sweep(
     from atrctl.sweep_report import write_sweep_report
 
     display.quiet_libraries()
-    config = load_recipe(recipe, ([f"run.steps={steps}"] if steps is not None else []) + list(set_ or []))
+    sets = [*([f"run.steps={steps}"] if steps is not None else []), *_report_to(report_to), *(set_ or [])]
+    config = load_recipe(recipe, sets)
     planned = plan_sweep(
         loss, grid, vs or [], seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=config, max_kl3=max_kl3,
         eps=eps, eps_high=eps_high, name=name, overwrite=overwrite, results=results,

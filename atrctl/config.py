@@ -211,7 +211,12 @@ class RunConfig:
     """Keep the weights and optimiser state from before each update in host memory, so a bad step is
     undone and a diverging run stops on weights that sample (costs 3× the float32 model in host RAM)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files (needs the tensorboard package)."""
+    """Also write TensorBoard event files (needs the tensorboard package): the same as "tensorboard" in
+    report_to."""
+    report_to: list[str] = field(default_factory=list)
+    """Trackers that get every metric, the recipe, the held-out completions and the evaluation tables, besides
+    metrics.jsonl: "tensorboard" (<run>/tensorboard/) and "wandb" (needs wandb; WANDB_MODE=offline works
+    without a server); e.g. ["wandb"]."""
 
 
 @dataclass
@@ -332,6 +337,10 @@ def _check_value(section: str, key: str, value: Any) -> None:
         raise UserError(f"{where} must be >= 0, got {value}")
     if (section, key) in _FRACTIONS and not 0 < value <= 1:
         raise UserError(f"{where} must be in (0, 1], got {value}")
+    if (section, key) == ("run", "report_to"):
+        from atrctl.reporting import check_report_to
+
+        check_report_to(value)
     if (section, key) == ("model", "lora"):
         from atrctl.adapters import lora_settings
 

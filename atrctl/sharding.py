@@ -56,15 +56,18 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def shard_model(model: torch.nn.Module, bf16: bool) -> torch.nn.Module:
-    """Shard `model` in place over the process group: each decoder layer, then the root.  `bf16`: gather
-    the layers' weights in bf16 and reduce gradients in float32 (CUDA), the float32 master weights
-    staying sharded; otherwise everything stays float32."""
+    """Shard `model` in place over the process group: each decoder layer, then the root; the shards move to
+    the group's device (a model loaded on the host arrives there in shards).  `bf16`: gather the layers'
+    weights in bf16 and reduce gradients in float32 (CUDA; autocast does the rest), the float32 master
+    weights staying sharded; otherwise everything stays float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from atrctl.forward import head_is_linear
 
     head_is_linear(model)  # settled now: its probe runs the decoder alone, which a sharded root cannot
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    # inputs are not cast: the residual stream stays float32 between layers, as in an unsharded run under autocast
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    policy = policy if bf16 else None
     options = {"mp_policy": policy} if policy else {}
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
@@ -127,7 +130,8 @@ class GatheredSampler:
 
 
 def full_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """An unsharded copy of `model`, taken before it is sharded: what `GatheredSampler` samples."""
+    """An unsharded copy of `model`, taken before it is sharded (on the host, see `train.build_run`): what
+    `GatheredSampler` samples."""
     duplicate = copy.deepcopy(model)
     duplicate.requires_grad_(False)
     return duplicate

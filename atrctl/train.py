@@ -60,6 +60,7 @@ from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, metric_reduction, policy_loss
 from atrctl.models import Numerics, sized_micro_batch
 from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, prompt_style
+from atrctl.reporting import Reporters, check_installed, held_out_table, reporter_names
 from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
 from atrctl.rundir import RunDir, environment, exclusive
@@ -132,7 +133,8 @@ def _train(
     main = distributed.is_main()
     # rank 0 decides and every rank abides, so none is left waiting in a collective for a refused one
     distributed.decided_by_main(lambda: run_dir.check_can_start(resume, overwrite))  # before the lock file exists
-    summary_writer = _tensorboard_writer() if recipe.run.tensorboard and main else None
+    if main:  # a tracker's missing library is one line, before anything is written
+        check_installed(reporter_names(recipe.run.report_to, recipe.run.tensorboard))
     run = build_run(recipe, run_dir, results, on_warmup)  # every input checked: the lock file comes after
     with ExitStack() as held:
 
@@ -152,7 +154,7 @@ def _train(
                 run_dir.create(recipe, environment(run.device))  # an old run (approved --overwrite) is moved aside
             if run.adapters is not None and main and on_notice is not None:
                 on_notice(adapter_line(run.model))
-            return _run_steps(run, state, resume, on_step, on_notice, summary_writer)
+            return _run_steps(run, state, resume, on_step, on_notice)
         except BaseException:
             if replacing:
                 run_dir.restore_replaced()  # the new run logged no step: the one it was to replace comes back
@@ -182,11 +184,32 @@ def _run_steps(
     resume: bool,
     on_step: Callable[[dict[str, float]], None] | None,
     on_notice: Callable[[str], None] | None,
-    summary_writer,
+) -> dict | None:
+    """`_loop`, reported to the recipe's trackers (rank 0): its steps, and the held-out table at the end."""
+    recipe = run.recipe
+    names = reporter_names(recipe.run.report_to, recipe.run.tensorboard) if distributed.is_main() else []
+    reporters = Reporters(names, run.run_dir.path, recipe_to_dict(recipe))
+    try:
+        summary = _loop(run, state, resume, on_step, on_notice, reporters)
+    except BaseException:
+        reporters.close(failed=True)
+        raise
+    if summary is not None:
+        reporters.tables(*held_out_table(summary))
+    reporters.close()
+    return summary
+
+
+def _loop(
+    run: Run,
+    state: TrainState,
+    resume: bool,
+    on_step: Callable[[dict[str, float]], None] | None,
+    on_notice: Callable[[str], None] | None,
+    reporters: Reporters,
 ) -> dict | None:
     """The loop: the base's held-out figures, then RL steps with logging, checkpoints and clean stops."""
     recipe, run_dir, main = run.recipe, run.run_dir, distributed.is_main()
-    writer = summary_writer(str(run_dir.tensorboard)) if summary_writer else None
 
     def checkpoint() -> None:
         contents = checkpoint_contents(run.model, run.optimizer)  # every rank: a sharded model is gathered
@@ -196,17 +219,11 @@ def _run_steps(
 
     def show(step: int, rows: list[dict]) -> None:
         run_dir.write_samples(step, rows)
-        if writer is not None:
-            table = "\n".join(f"- **{r['problem']}** ({r['sample']}, reward {r['reward']:g}): `{r['completion']!r}`"
-                              for r in rows)  # fmt: skip
-            writer.add_text("samples", table, step)
+        reporters.samples(step, rows)
 
     def log(record: dict) -> None:
         run_dir.append_metrics(record)
-        if writer is not None:
-            for key, value in record.items():
-                if key != "step":
-                    writer.add_scalar(key, value, record["step"])
+        reporters.log(record)
         if on_step is not None:
             on_step(record)
 
@@ -254,8 +271,6 @@ def _run_steps(
             if stopping and state.step < recipe.run.steps:  # after the last step: just finish
                 checkpoint()
                 raise KeyboardInterrupt
-    if writer is not None:
-        writer.close()
     return _finish(run, state, base_eval, time.perf_counter() - started) if main else None
 
 
@@ -315,8 +330,8 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 # What a resume may change in config.toml: how long the run goes, how often it checkpoints or is evaluated, and
 # where it runs.  Anything else would make the run something other than what its checkpoint trained.
 RESUMABLE_EDITS = {("run", "steps"), ("run", "checkpoint_every"), ("run", "max_bad_steps"), ("run", "tensorboard"),
-                   ("run", "rollback"), ("eval", "every"), ("model", "device"), ("algo", "micro_batch"),
-                   ("algo", "skip_zero_advantage"), ("model", "shard")}  # fmt: skip
+                   ("run", "report_to"), ("run", "rollback"), ("eval", "every"), ("model", "device"),
+                   ("algo", "micro_batch"), ("algo", "skip_zero_advantage"), ("model", "shard")}  # fmt: skip
 
 
 def _check_same_recipe(state: TrainState, recipe: Recipe, run_dir: RunDir) -> None:
@@ -478,6 +493,9 @@ def update_step(
         elif algo.beta > 0:  # LoRA: the reference is the policy's base, its adapters off
             with reference_pass(run.adapters):
                 ref_logp = _logprobs(run.model, rollout, pieces, cfg.rollout.temperature)
+    for module in (run.model, run.reference):  # FSDP keeps a root gathered after a pass without backward
+        if module is not None and is_sharded(module):
+            module.reshard()
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(step, cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.run.steps)
 
@@ -568,7 +586,7 @@ def _optimiser_step(
         weight = (aggregation_normaliser(sub.completion_mask, algo.agg) / total).item()  # its exact share
         (loss * (weight * scale)).backward()
         micro.append((metrics, float(sub.completion_mask.sum()), weight))
-    params = trained_parameters(run.model)
+    params = [param for group in run.optimizer.param_groups for param in group["params"]]  # the sharded ones
     for parameter in params:  # no row trained: a zero gradient still steps AdamW (momentum, weight decay),
         if parameter.grad is None:  # exactly as computing it would
             parameter.grad = torch.zeros_like(parameter)
@@ -599,7 +617,7 @@ def cut_micro_batches(model: torch.nn.Module, rollout: Rollout, trained: torch.T
 
 
 def lockstep(pieces: list[list[torch.Tensor]], minibatches: list[slice], device: torch.device):
-    """Each mini-batch's micro-batches padded to the most any rank has, with empty ones (`IDLE`) that name one
+    """Each mini-batch's micro-batches padded to the most any rank has, with passes (`Idle`) that name one
     row of the mini-batch: a sharded model runs a pass on it that contributes nothing (FSDP's collectives
     need every rank in every pass)."""
     counts = distributed.all_max(torch.tensor([len(micro) for micro in pieces], device=device)).tolist()
@@ -719,7 +737,7 @@ def build_run(
     on_warmup: Callable[[int, float, float | None], None] | None = None,
 ) -> Run:
     from atrctl.base_cache import ensure_base
-    from atrctl.models import load_model, numerics, set_cpu_threads, sized_batch
+    from atrctl.models import load_model, numerics, resolve_device, resolve_dtype, set_cpu_threads, sized_batch
     from atrctl.rollout import rollout_backend
 
     validate_algo(recipe)
@@ -731,23 +749,27 @@ def build_run(
     set_cpu_threads(distributed.cpu_threads_per_rank())
     # Master weights in float32, loaded as such (a float32 checkpoint read in bf16 would lose its low
     # bits; bf16 ones upcast exactly); the device's numerics decide whether bf16 autocast does the arithmetic.
-    model, tokenizer = load_model(str(base), recipe.model.device, "float32")
+    # A policy to shard is loaded on the host: its full copy for sampling is made there, and each process's
+    # accelerator then receives that copy and its own shards, never two whole models at once.
+    sharded = recipe.model.shard == "fsdp"
+    model, tokenizer = load_model(str(base), "cpu" if sharded else recipe.model.device, "float32")
     width = getattr(model.config, "hidden_size", None)
-    compute = numerics(next(model.parameters()).device, policy=recipe.model.autocast, width=width)
+    compute = numerics(resolve_device(recipe.model.device), policy=recipe.model.autocast, width=width)
     if recipe.model.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     adapters = add_adapters(model, lora, recipe.run.seed) if lora else None  # injected into `model` in place
     model.train()
     sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
-    sharded = recipe.model.shard == "fsdp"
     bf16 = compute.device.type == "cuda" and compute.autocast_enabled  # FSDP gathers in bf16 where it computes so
     if sharded:
-        sampled = full_copy(model)
-        shard_model(model, bf16)
+        sampled = full_copy(model).to(compute.device)
+        shard_model(model, bf16)  # the shards move to the process's device
     reference = None
     if recipe.algo.beta > 0 and adapters is None:  # with adapters the reference is the base they sit on
-        reference, _ = load_model(str(base), recipe.model.device, recipe.model.dtype)  # after the policy is
-        reference.requires_grad_(False)  # sharded: two whole models at once need not fit
+        dtype = recipe.model.dtype  # "auto" decided for the device it will run on, not the host it is read on
+        dtype = str(resolve_dtype(dtype, compute.device)).removeprefix("torch.") if sharded else dtype
+        reference, _ = load_model(str(base), "cpu" if sharded else recipe.model.device, dtype)
+        reference.requires_grad_(False)
         if sharded:
             shard_model(reference, bf16)
     pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
@@ -950,12 +972,3 @@ class _StopRequest:
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
-
-
-def _tensorboard_writer():
-    """TensorBoard's SummaryWriter class, checked before any file is written."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-    return SummaryWriter

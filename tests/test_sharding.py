@@ -3,9 +3,11 @@
 A sharded run must be the single-process run: the same losses, metrics and final weights up to float
 noise (the ranks' gradients are summed in another order), with ~1/2 of the trained state on each rank.
 The recipe skips zero-advantage rows and cuts one-row micro-batches, so the ranks have unequal numbers
-of passes and the update's lockstep padding is exercised.  Checkpoints are the unsharded files: a run
-moves between sharded and unsharded, and between process counts, at any checkpoint (loading a checkpoint
-into a sharded model from an unsharded run's files is the same code path as from a sharded run's).
+of passes and the update's lockstep padding is exercised (steps where no rank trains a row included), and
+recomputes the old logprobs, a pass without backward, under activation checkpointing.  Checkpoints are
+the unsharded files: a run moves between sharded and unsharded, and between process counts, at any
+checkpoint (loading a checkpoint into a sharded model from an unsharded run's files is the same code
+path as from a sharded run's).
 """
 
 import json
@@ -13,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +44,8 @@ FAST = [
     "algo.minibatches=2",
     "algo.num_iterations=2",
     "algo.micro_batch=1",
+    "algo.old_logprobs=recompute",  # a pass without backward: FSDP's root must be resharded after it
+    "model.gradient_checkpointing=true",
     "optim.lr=1e-3",
 ]
 
@@ -142,6 +147,23 @@ def test_a_sharded_run_matches_one_process_and_only_rank_zero_writes(results, si
     line = re.search(r"rank 0 holds ([\d.]+) MiB .*?, ([\d.]+) of the ([\d.]+) MiB", done.stderr)
     assert line, done.stderr[-2000:]
     assert 0.45 < float(line.group(2)) < 0.55
+
+
+@pytest.mark.slow
+def test_an_update_whose_first_minibatch_trains_no_row_matches_one_process(results, single, tmp_path):
+    """No rank has a pass in the first mini-batch, after the old logprobs' pass without backward."""
+    script = str(Path(__file__).parent / "sharded_update.py")
+    env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    runs = {"none": [sys.executable, script], "fsdp": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                       "--nproc-per-node=2", script]}  # fmt: skip
+    for shard, command in runs.items():
+        done = subprocess.run([*command, str(tmp_path / shard), str(results), shard], capture_output=True, text=True,
+                              env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    alone, sharded = (torch.load(tmp_path / shard, weights_only=True) for shard in runs)
+    assert alone["finite"] and sharded["finite"]
+    assert sharded["loss"] == pytest.approx(alone["loss"], abs=1e-6)
+    assert_same_weights(alone["weights"], sharded["weights"])
 
 
 @pytest.mark.slow

@@ -1,0 +1,220 @@
+"""Where a run's numbers go besides metrics.jsonl: TensorBoard and Weights & Biases (`run.report_to`).
+
+A reporter gets the resolved recipe when the run starts, every step's record, the completions of each
+held-out check, and the evaluation tables at the end; metrics.jsonl stays the record every atrctl
+command reads, so a tracker is only ever a view.  Each reporter's library is imported only when the
+recipe asks for it, and checked before anything is written: a missing one is one line naming the
+install.  Only rank 0 reports.
+
+Weights & Biases: the run's id is kept in <run>/wandb/id, so a resumed run (or a later evaluation)
+continues the same W&B run; the x axis of every chart is atrctl's own `step` (records logged again
+after a resume land on the steps they belong to).  A run in a comparison or sweep
+(<comparison>/runs/<arm>-s<seed>) is grouped under the comparison's name.  WANDB_PROJECT (default
+"atrctl"), WANDB_ENTITY and WANDB_MODE (e.g. offline) are W&B's own settings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from atrctl.errors import UserError
+
+REPORTERS = ("tensorboard", "wandb")
+INSTALL = {
+    "tensorboard": 'pip install tensorboard (or -e ".[tensorboard]")',
+    "wandb": 'pip install wandb (or -e ".[wandb]")',
+}
+SAMPLE_COLUMNS = ("problem", "sample", "prompt", "completion", "answer", "gold", "reward")
+
+
+def reporter_names(report_to: Sequence[str], tensorboard: bool) -> list[str]:
+    """The trackers a recipe asks for: run.report_to, plus TensorBoard for the run.tensorboard shorthand."""
+    return list(dict.fromkeys([*report_to, *(["tensorboard"] if tensorboard else [])]))
+
+
+def check_report_to(names: Sequence[str]) -> None:
+    """run.report_to names known trackers, each once (checked while the recipe is read)."""
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise UserError(f'run.report_to must be a list of tracker names such as ["wandb"], got {names!r}')
+    for name in names:
+        if name not in REPORTERS:
+            raise UserError(f"run.report_to: '{name}' is not one of {', '.join(REPORTERS)}")
+    if len(set(names)) < len(names):
+        raise UserError(f"run.report_to names a tracker twice: {names}")
+
+
+def check_installed(names: Sequence[str]) -> None:
+    """Each tracker's library imports; else one line saying how to install it (before anything is written)."""
+    for name in names:
+        try:
+            if name == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            else:
+                import wandb  # noqa: F401
+        except ImportError:
+            raise UserError(f"run.report_to = {name} needs the {name} package: {INSTALL[name]}") from None
+
+
+def comparison_group(run_path: Path) -> str | None:
+    """The comparison or sweep a run belongs to: the folder above <comparison>/runs/, else None."""
+    run_path = Path(run_path).resolve()
+    return run_path.parent.parent.name if run_path.parent.name == "runs" else None
+
+
+class Reporters:
+    """The run's trackers, fed together; an empty list of names makes every call a no-op."""
+
+    def __init__(self, names: Sequence[str], run_path: Path, recipe: dict):
+        made = []
+        try:
+            for name in names:
+                made.append(TensorBoard(run_path, recipe) if name == "tensorboard" else Wandb(run_path, recipe))
+        except BaseException:
+            for reporter in made:
+                reporter.close(failed=True)
+            raise
+        self.reporters = made
+
+    def log(self, record: dict) -> None:
+        for reporter in self.reporters:
+            reporter.log(record)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        for reporter in self.reporters:
+            reporter.samples(step, rows)
+
+    def tables(self, tables: dict[str, tuple[Sequence[str], list[list]]], summary: dict[str, float]) -> None:
+        """Tables (name → (columns, rows)) and headline figures at the end of a run or of its evaluation."""
+        for reporter in self.reporters:
+            reporter.tables(tables, summary)
+
+    def close(self, failed: bool = False) -> None:
+        for reporter in self.reporters:
+            reporter.close(failed)
+
+
+class TensorBoard:
+    """Event files in <run>/tensorboard/: scalars per step, the recipe and the tables as text."""
+
+    def __init__(self, run_path: Path, recipe: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        from atrctl.config import to_toml
+
+        self.writer = SummaryWriter(str(Path(run_path) / "tensorboard"))
+        self.writer.add_text("recipe", "```toml\n" + to_toml(recipe) + "```", 0)
+
+    def log(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step":
+                self.writer.add_scalar(key, value, record["step"])
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        table = "\n".join(f"- **{r['problem']}** ({r['sample']}, reward {r['reward']:g}): `{r['completion']!r}`"
+                          for r in rows)  # fmt: skip
+        self.writer.add_text("samples", table, step)
+
+    def tables(self, tables: dict, summary: dict[str, float]) -> None:
+        for name, (columns, rows) in tables.items():
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+            self.writer.add_text(name, "\n".join(lines), 0)
+        for key, value in summary.items():
+            self.writer.add_scalar(f"summary/{key}", value, 0)
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+class Wandb:
+    """A W&B run per atrctl run, continued on resume (its id in <run>/wandb/id)."""
+
+    def __init__(self, run_path: Path, recipe: dict):
+        import wandb
+
+        run_path = Path(run_path)
+        id_file = run_path / "wandb" / "id"
+        if id_file.is_file():
+            run_id = id_file.read_text().strip()
+        else:
+            from atrctl import atomic
+
+            run_id = wandb.util.generate_id()
+            id_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_text(id_file, run_id + "\n")
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "atrctl"),
+            id=run_id,
+            name=run_path.name,
+            group=comparison_group(run_path),
+            dir=str(run_path),
+            config=recipe,
+            resume="allow",
+            settings=wandb.Settings(console="off", silent=True),  # atrctl's own output stays as it is
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, record: dict) -> None:
+        self.run.log(record)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        import wandb
+
+        data = [[_cell(row.get(column)) for column in SAMPLE_COLUMNS] for row in rows]
+        self.run.log({"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=data), "step": step})
+
+    def tables(self, tables: dict, summary: dict[str, float]) -> None:
+        import wandb
+
+        self.run.log({name: wandb.Table(columns=list(columns), data=rows) for name, (columns, rows) in tables.items()})
+        self.run.summary.update(summary)
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+def _cell(value) -> str | float | int | None:
+    return value if isinstance(value, (int, float)) or value is None else str(value)
+
+
+def held_out_table(summary: dict) -> tuple[dict, dict[str, float]]:
+    """A finished run's held-out figures, base and final, as a table and as headline figures."""
+    base, final = summary.get("base") or {}, summary.get("final") or {}
+    keys = sorted(set(base) | set(final))
+    rows = [[key, base.get(key), final.get(key)] for key in keys]
+    headline = {f"final/{key}": value for key, value in final.items()} | {f"base/{key}": v for key, v in base.items()}
+    return {"held-out": (["metric", "base", "final"], rows)}, headline
+
+
+def report_evaluation(run_path: Path, passk_csv: Path) -> None:
+    """Send a run's finished evaluation (its passk.csv) to the trackers its recipe names: the same W&B run
+    its training reported to, continued."""
+    import csv
+
+    from atrctl.rundir import RunDir
+
+    recipe = RunDir(run_path).recipe()
+    names = reporter_names(recipe.run.report_to, recipe.run.tensorboard)
+    if not names:
+        return
+    with open(passk_csv, newline="") as handle:
+        rows = list(csv.reader(handle))
+    columns, data = rows[0], [[_number(v) for v in row] for row in rows[1:]]
+    headline = {f"eval/pass@{int(row[0])}": row[1] for row in data if isinstance(row[1], float)}
+    from atrctl.config import recipe_to_dict
+
+    reporters = Reporters(names, run_path, recipe_to_dict(recipe))
+    try:
+        reporters.tables({"eval/passk": (columns, data)}, headline)
+    finally:
+        reporters.close()
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
