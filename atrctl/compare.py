@@ -197,10 +197,18 @@ def _same_record(recorded: dict, current: dict) -> bool:
     from atrctl.config import recipe_from_dict
 
     try:
-        recipe = recipe_to_dict(recipe_from_dict(recorded["recipe"]))
-        return (recipe, recorded["loss_args"]) == (current["recipe"], current["loss_args"])
+        recipe = _trained(recipe_to_dict(recipe_from_dict(recorded["recipe"])))
+        return (recipe, recorded["loss_args"]) == (_trained(current["recipe"]), current["loss_args"])
     except (UserError, KeyError, TypeError, AttributeError):
         return False
+
+
+WATCHING = ("tensorboard", "report_to")
+"""run.* keys that say where a run is reported, not what it trains: a rerun may change them."""
+
+
+def _trained(recipe: dict) -> dict:
+    return {**recipe, "run": {k: v for k, v in recipe["run"].items() if k not in WATCHING}}
 
 
 def write_arm_recipes(comparison: Comparison, base: str) -> dict[str, Path]:
@@ -314,6 +322,9 @@ def plan_comparison(
             raise UserError(f"{flag} must be at least 1 (got {value})")
     if len(arm_names) < 2:
         raise UserError(f"{kind} needs at least two arms, e.g. `atrctl compare grpo atr`")
+    from atrctl.reporting import check_installed, reporter_names
+
+    check_installed(reporter_names(recipe.run.report_to, recipe.run.tensorboard))  # here, not in each run's log
     arms = parse_arms(arm_names)
     from atrctl.tasks import get_task
 
@@ -367,6 +378,7 @@ def run_comparison(
     """
     from atrctl.eval_report import write_eval
     from atrctl.passk import default_ks
+    from atrctl.reporting import report_evaluation
 
     def show(key: str, description: str, done: int, total: int, note: str = "") -> None:
         if advance is not None:
@@ -395,6 +407,7 @@ def run_comparison(
         for label, directories in arm_runs(comparison).items():
             for directory, result in zip(directories, evaluations[label], strict=True):
                 write_eval(result, ks, RunDir(directory).eval, f"{directory.name}: pass@k")
+                report_evaluation(directory, RunDir(directory).eval / "passk.csv")  # to the run's own trackers
         seconds["total"] = time.perf_counter() - started
         return (report or write_compare_report)(comparison, evaluations, ks, command, seconds), ks
 

@@ -297,7 +297,14 @@ def _closest(key: str, valid: typing.Iterable[str], prefix: str = "") -> str:
     return f"; valid: {', '.join(prefix + v for v in valid)}"
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    dict: "a table",
+    list: "a list",
+}
 
 
 def _type_name(annotation: Any) -> str:

@@ -16,6 +16,7 @@ after a resume land on the steps they belong to).  A run in a comparison or swee
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -119,7 +120,8 @@ class TensorBoard:
     def tables(self, tables: dict, summary: dict[str, float]) -> None:
         for name, (columns, rows) in tables.items():
             lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-            lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+            lines += ["| " + " | ".join("" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in row)
+                      + " |" for row in rows]  # fmt: skip
             self.writer.add_text(name, "\n".join(lines), 0)
         for key, value in summary.items():
             self.writer.add_scalar(f"summary/{key}", value, 0)
@@ -141,7 +143,7 @@ class Wandb:
         else:
             from atrctl import atomic
 
-            run_id = wandb.util.generate_id()
+            run_id = secrets.token_hex(4)
             id_file.parent.mkdir(parents=True, exist_ok=True)
             atomic.write_text(id_file, run_id + "\n")
         self.run = wandb.init(
@@ -163,21 +165,19 @@ class Wandb:
     def samples(self, step: int, rows: list[dict]) -> None:
         import wandb
 
-        data = [[_cell(row.get(column)) for column in SAMPLE_COLUMNS] for row in rows]
-        self.run.log({"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=data), "step": step})
+        data = [[row.get(c) if c == "reward" else str(row.get(c, "")) for c in SAMPLE_COLUMNS] for row in rows]
+        table = wandb.Table(columns=list(SAMPLE_COLUMNS), data=data, allow_mixed_types=True)
+        self.run.log({"samples": table, "step": step})
 
     def tables(self, tables: dict, summary: dict[str, float]) -> None:
         import wandb
 
-        self.run.log({name: wandb.Table(columns=list(columns), data=rows) for name, (columns, rows) in tables.items()})
+        self.run.log({name: wandb.Table(columns=list(columns), data=rows, allow_mixed_types=True)
+                      for name, (columns, rows) in tables.items()})  # fmt: skip
         self.run.summary.update(summary)
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
-
-
-def _cell(value) -> str | float | int | None:
-    return value if isinstance(value, (int, float)) or value is None else str(value)
 
 
 def held_out_table(summary: dict) -> tuple[dict, dict[str, float]]:

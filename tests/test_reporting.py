@@ -1,0 +1,157 @@
+"""Trackers (`run.report_to`): validation, missing libraries, and W&B offline runs checked record by record."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from atrctl.cli import main
+from atrctl.config import load_recipe, recipe_from_dict
+from atrctl.errors import UserError
+from atrctl.reporting import check_report_to, comparison_group, reporter_names
+from atrctl.train import train
+
+FAST = [
+    "task.args.digits=1",
+    "model.device=cpu",
+    "warmup.max_steps=60",
+    "warmup.target_accuracy=1.0",
+    "warmup.batch_size=32",
+    "warmup.eval_every=60",
+    "warmup.eval_problems=10",
+    "rollout.prompts=4",
+    "rollout.group_size=4",
+    "eval.problems=6",
+    "eval.samples=2",
+    "eval.every=2",
+    "algo.entropy_coef=0.01",
+    "optim.lr=1e-3",
+]
+
+
+def recipe(*overrides):
+    return load_recipe(None, [*FAST, *overrides])
+
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def records(directory):
+    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+
+
+def offline_runs(directory):
+    """Every offline W&B run in a run directory, oldest first (one per session: start, resume, evaluation)."""
+    from wandb_offline import offline_run
+
+    return [offline_run(path) for path in sorted((directory / "wandb").glob("offline-run-*/run-*.wandb"))]
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+
+
+# ------------------------------------------------------------------ settings and bad input
+
+
+def test_report_to_names_known_trackers_once():
+    check_report_to([])
+    check_report_to(["wandb", "tensorboard"])
+    for bad, message in [
+        (["wandbb"], "run.report_to: 'wandbb' is not one of tensorboard, wandb"),
+        (["wandb", "wandb"], "names a tracker twice"),
+        ("wandb", "run.report_to must be a list"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            check_report_to(bad)
+        with pytest.raises(UserError, match=message):
+            recipe_from_dict({"run": {"report_to": bad}})
+    assert reporter_names(["wandb"], tensorboard=True) == ["wandb", "tensorboard"]  # --tensorboard: a shorthand
+    assert reporter_names(["tensorboard"], tensorboard=True) == ["tensorboard"]
+
+
+def test_a_run_of_a_comparison_is_grouped_under_it(tmp_path):
+    assert comparison_group(tmp_path / "compare-grpo-atr" / "runs" / "atr-s0") == "compare-grpo-atr"
+    assert comparison_group(tmp_path / "results" / "atr-arith-s0") is None
+
+
+def test_report_to_flag_and_missing_wandb_are_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    sets = [arg for item in FAST for arg in ("--set", item)]
+    assert main(["train", "--results", str(tmp_path), "--name", "r", "--report-to", "wandb,tb", *sets]) == 2
+    assert "run.report_to: 'tb' is not one of tensorboard, wandb" in capsys.readouterr().err
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb" or name.startswith("wandb."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    for command in (["train", "--name", "r"], ["compare", "grpo", "atr"]):
+        assert main([*command, "--results", str(tmp_path), "--report-to", "wandb", *sets]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "needs the wandb package: pip install wandb" in err
+    assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------ W&B, offline
+
+
+@pytest.mark.slow
+def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(results, offline):
+    directory = results / "watched"
+
+    def stop_at_2(record):
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe("run.steps=4", 'run.report_to=["wandb"]'), directory, results=results, on_step=stop_at_2)
+    train(recipe("run.steps=4", 'run.report_to=["wandb"]'), directory, results=results, resume=True)
+
+    first, resumed = offline_runs(directory)
+    assert first["id"] == resumed["id"] == (directory / "wandb" / "id").read_text().strip()  # one W&B run
+    assert first["name"] == "watched" and first["group"] == ""
+    config = first["config"]
+    assert config["algo"]["loss"] == "atr" and config["run"]["report_to"] == ["wandb"] and config["run"]["steps"] == 4
+    logged = {}
+    for row in first["history"] + resumed["history"]:  # W&B's own _step runs on; atrctl's step is the axis
+        if "reward/mean" in row:
+            logged[row["step"]] = row
+    for record in records(directory):  # every metric of every step of metrics.jsonl, with its value
+        row = logged[record["step"]]
+        assert {key: row[key] for key in record} == pytest.approx(record, rel=1e-12)
+    assert sorted(logged) == [1, 2, 3, 4]
+    tables = [row for row in first["history"] + resumed["history"] if "samples/nrows" in row]
+    assert [row["step"] for row in tables] == [0, 2, 4] and all(row["samples/nrows"] == 12 for row in tables)
+    assert any("held-out/nrows" in row for row in resumed["history"])  # the table at the end
+    assert (
+        resumed["summary"]["final/eval/greedy"]
+        == json.loads((directory / "summary.json").read_text())["final"]["eval/greedy"]
+    )
+
+
+@pytest.mark.slow
+def test_runs_of_a_comparison_are_grouped_and_get_their_evaluation(tmp_path, offline, capsys):
+    sets = [arg for item in FAST for arg in ("--set", item)]
+    args = ["compare", "grpo", "atr", "--seeds", "1", "--steps", "1", "--n", "2", "--problems", "4", "--results",
+            str(tmp_path), "--report-to", "wandb", *sets]  # fmt: skip
+    assert main(args) == 0
+    for arm in ("grpo", "atr"):
+        directory = tmp_path / "compare-grpo-atr" / "runs" / f"{arm}-s0"
+        training, evaluation = offline_runs(directory)
+        assert training["group"] == evaluation["group"] == "compare-grpo-atr"
+        assert training["name"] == f"{arm}-s0" and training["id"] == evaluation["id"]
+        assert any("eval/passk/nrows" in row for row in evaluation["history"])
+        assert evaluation["summary"]["eval/pass@1"] == pytest.approx(
+            float((directory / "eval" / "passk.csv").read_text().splitlines()[1].split(",")[1])
+        )
+    assert main(args[: -2 - 2 * len(FAST)] + sets) == 0  # the same comparison without --report-to: reused as it is
+    assert "atr − grpo" in capsys.readouterr().out
