@@ -447,6 +447,7 @@ def eval_command(
         raise UserError(
             f"{spec.directory} already holds an evaluation; pass --overwrite to replace it or --out elsewhere"
         )
+    reported = _reported_run(target, spec.directory)  # its trackers get the table too; checked before sampling
     if nproc is not None and nproc > 1:
         raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
 
@@ -468,8 +469,26 @@ def eval_command(
     if done is None:  # a rank other than 0: rank 0 prints
         return
     result, setting, paths = done
+    if reported is not None:
+        from atrctl.reporting import report_evaluation
+
+        report_evaluation(reported, spec.directory / "passk.csv")
     console.print(display.passk_table(result.summary(ks), ks, f"pass@k: {setting}"))
     console.print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _reported_run(target: str, out: Path) -> Path | None:
+    """The run whose own eval/ an evaluation writes, when its recipe names trackers (their libraries checked)."""
+    from atrctl.reporting import check_installed, reporter_names
+    from atrctl.rundir import RunDir
+
+    run = RunDir(target)
+    if not run.config.is_file() or Path(out).resolve() != run.eval.resolve():
+        return None
+    recipe = run.recipe()
+    names = reporter_names(recipe.run.report_to, recipe.run.tensorboard)
+    check_installed(names)
+    return run.path if names else None
 
 
 # ------------------------------------------------------------------ compare

@@ -203,12 +203,13 @@ def report_evaluation(run_path: Path, passk_csv: Path) -> None:
     with open(passk_csv, newline="") as handle:
         rows = list(csv.reader(handle))
     columns, data = rows[0], [[_number(v) for v in row] for row in rows[1:]]
-    headline = {f"eval/pass@{int(row[0])}": row[1] for row in data if isinstance(row[1], float)}
+    # "evaluation/…", not "eval/…": the held-out checks during training log eval/pass@1 already
+    headline = {f"evaluation/pass@{int(row[0])}": row[1] for row in data if isinstance(row[1], float)}
     from atrctl.config import recipe_to_dict
 
     reporters = Reporters(names, run_path, recipe_to_dict(recipe))
     try:
-        reporters.tables({"eval/passk": (columns, data)}, headline)
+        reporters.tables({"evaluation/passk": (columns, data)}, headline)
     finally:
         reporters.close()
 

@@ -137,6 +137,10 @@ def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(results
         == json.loads((directory / "summary.json").read_text())["final"]["eval/greedy"]
     )
 
+    assert main(["eval", str(directory), "--n", "2", "--problems", "4"]) == 0  # its evaluation: the same W&B run
+    evaluation = offline_runs(directory)[-1]
+    assert evaluation["id"] == first["id"] and any("evaluation/passk/nrows" in row for row in evaluation["history"])
+
 
 @pytest.mark.slow
 def test_runs_of_a_comparison_are_grouped_and_get_their_evaluation(tmp_path, offline, capsys):
@@ -149,8 +153,8 @@ def test_runs_of_a_comparison_are_grouped_and_get_their_evaluation(tmp_path, off
         training, evaluation = offline_runs(directory)
         assert training["group"] == evaluation["group"] == "compare-grpo-atr"
         assert training["name"] == f"{arm}-s0" and training["id"] == evaluation["id"]
-        assert any("eval/passk/nrows" in row for row in evaluation["history"])
-        assert evaluation["summary"]["eval/pass@1"] == pytest.approx(
+        assert any("evaluation/passk/nrows" in row for row in evaluation["history"])
+        assert evaluation["summary"]["evaluation/pass@1"] == pytest.approx(
             float((directory / "eval" / "passk.csv").read_text().splitlines()[1].split(",")[1])
         )
     assert main(args[: -2 - 2 * len(FAST)] + sets) == 0  # the same comparison without --report-to: reused as it is
