@@ -128,28 +128,6 @@ def single(results):
 
 
 @pytest.mark.slow
-def test_a_sharded_run_matches_one_process_and_only_rank_zero_writes(results, single):
-    done = torchrun("--name", "sharded", "--results", str(results), *cli_sets("model.shard=fsdp"))
-    directory = results / "sharded"
-    assert_same_weights(weights(single), weights(directory))
-    assert sorted(p.name for p in directory.iterdir()) == sorted(p.name for p in single.iterdir())
-    logged, alone = records(directory), records(single)
-    assert [r["step"] for r in logged] == [1, 2, 3]
-    assert any(0 < r["rows/skipped"] < 1 for r in alone)  # rows were skipped, and not all of them
-    for ours, theirs in zip(logged, alone, strict=True):
-        for key in ("reward/mean", "frac_zero_std", "len/mean", "rows/skipped"):
-            assert ours[key] == theirs[key], key
-        for key in ("loss", "entropy", "kl3/mean", "clip/low", "clip/high", "grad_norm"):
-            if key in theirs:
-                assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
-    assert done.stdout.count("done:") == 1  # only rank 0 reports
-    # the trained state each rank holds, measured: half of it, up to the rows of a matrix split unevenly
-    line = re.search(r"rank 0 holds ([\d.]+) MiB .*?, ([\d.]+) of the ([\d.]+) MiB", done.stderr)
-    assert line, done.stderr[-2000:]
-    assert 0.45 < float(line.group(2)) < 0.55
-
-
-@pytest.mark.slow
 def test_an_update_whose_first_minibatch_trains_no_row_matches_one_process(results, single, tmp_path):
     """No rank has a pass in the first mini-batch, after the old logprobs' pass without backward."""
     script = str(Path(__file__).parent / "sharded_update.py")
@@ -167,15 +145,31 @@ def test_an_update_whose_first_minibatch_trains_no_row_matches_one_process(resul
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_sharded_then_unsharded(results, single):
+def test_a_sharded_run_matches_one_process_writes_from_rank_zero_and_resumes_anywhere(results, single):
     """Step 1 sharded over 2 processes, step 2 resumed sharded (the same N), step 3 resumed in one process
-    without sharding (another N): the single-process run, to float noise."""
-    directory = results / "moved"
-    torchrun("--name", directory.name, "--results", str(results), *cli_sets("model.shard=fsdp", "run.steps=1"))
+    without sharding (another N): the single-process run, step by step, to float noise."""
+    directory = results / "sharded"
+    done = torchrun("--name", directory.name, "--results", str(results), *cli_sets("model.shard=fsdp", "run.steps=1"))
+    assert done.stdout.count("done:") == 1  # only rank 0 reports
+    # the trained state each rank holds, measured: half of it, up to the rows of a matrix split unevenly
+    line = re.search(r"rank 0 holds ([\d.]+) MiB .*?, ([\d.]+) of the ([\d.]+) MiB", done.stderr)
+    assert line, done.stderr[-2000:]
+    assert 0.45 < float(line.group(2)) < 0.55
     set_in_config(directory, steps=2)
     torchrun("--resume", str(directory))
-    assert [r["step"] for r in records(directory)] == [1, 2]
+    assert [r["step"] for r in records(directory)] == [1, 2]  # one writer, not one per rank
     set_in_config(directory, shard='"none"', steps=3)
     train(recipe("run.steps=3"), directory, results=results, resume=True)
+
     assert_same_weights(weights(single), weights(directory))
-    assert [r["step"] for r in records(directory)] == [1, 2, 3]
+    files = {p.name for p in directory.iterdir()} - {"checkpoint.previous"}  # saved more than once: resumed
+    assert files == {p.name for p in single.iterdir()}
+    logged, alone = records(directory), records(single)
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert any(0 < r["rows/skipped"] < 1 for r in alone)  # rows were skipped, and not all of them
+    for ours, theirs in zip(logged, alone, strict=True):
+        for key in ("reward/mean", "frac_zero_std", "len/mean", "rows/skipped"):
+            assert ours[key] == theirs[key], key
+        for key in ("loss", "entropy", "kl3/mean", "clip/low", "clip/high", "grad_norm"):
+            if key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
