@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -204,7 +205,9 @@ def _same_record(recorded: dict, current: dict) -> bool:
 
 
 WATCHING = ("tensorboard", "report_to")
-"""run.* keys that say where a run is reported, not what it trains: a rerun may change them."""
+"""run.* keys that say where a run is reported, not what it trains: a rerun that changes them is the same
+comparison.  They apply to the runs it starts from then on; a run already started keeps its own (its
+config.toml), and gets its evaluation's table there."""
 
 
 def _trained(recipe: dict) -> dict:
@@ -407,7 +410,10 @@ def run_comparison(
         for label, directories in arm_runs(comparison).items():
             for directory, result in zip(directories, evaluations[label], strict=True):
                 write_eval(result, ks, RunDir(directory).eval, f"{directory.name}: pass@k")
-                report_evaluation(directory, RunDir(directory).eval / "passk.csv")  # to the run's own trackers
+                try:  # to the run's own trackers; a tracker that fails costs the comparison nothing
+                    report_evaluation(directory, RunDir(directory).eval / "passk.csv")
+                except UserError as error:
+                    logging.getLogger(__name__).warning("warning: %s", error)
         seconds["total"] = time.perf_counter() - started
         return (report or write_compare_report)(comparison, evaluations, ks, command, seconds), ks
 

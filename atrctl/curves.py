@@ -33,8 +33,12 @@ def run_groups(paths: Sequence[str | Path]) -> dict[str, list[Path]]:
     directory (runs/<arm>-s<seed>/) gives one curve per arm over its seeds.  A path that is neither is a
     UserError naming it."""
     groups: dict[str, list[Path]] = {}
+    seen: set[Path] = set()
     for given in paths:
         path = Path(given)
+        if path.resolve() in seen:
+            raise UserError(f"{path} is given twice: give each run or comparison once")
+        seen.add(path.resolve())
         if RunDir(path).metrics.is_file():
             label = path.name if path.name not in groups else str(path)
             groups.setdefault(label, []).append(path)
@@ -67,6 +71,8 @@ def check_metrics(groups: dict[str, list[Path]], metrics: Sequence[str] | None) 
             for record in RunDir(directory).read_metrics():
                 logged.update(record)
     logged.discard("step")
+    if not logged:
+        raise UserError(f"{', '.join(groups)}: no run has logged a step yet; plot runs once they have")
     if metrics is None:
         return [metric for metric in DEFAULT_METRICS if metric in logged] or ["reward/mean"]
     for metric in metrics:
@@ -103,21 +109,21 @@ def curves_figure(groups: dict[str, list[Path]], metrics: Sequence[str], smooth:
 
 
 def _smoothed(directories: Sequence[Path], key: str, smooth: int):
-    """(steps, [runs, steps] values) of `key`, each run smoothed, cut to the shortest run; (None, None) when
-    some run has no step.  A step that did not log the key (e.g. held-out figures between checks) is left
-    out of that run's curve: the series is the logged values, at their steps."""
+    """(steps, [runs, steps] values) of `key`: each run's logged values (a step that did not log the key,
+    e.g. between held-out checks, is not on its curve) smoothed over `smooth` of them, then the runs lined
+    up on the steps every one of them has; (None, None) when some run never logged it."""
     series = []
     for directory in directories:
-        logged = [(r["step"], r[key]) for r in RunDir(directory).read_metrics() if key in r]
-        if not logged:
+        logged = np.array([(r["step"], r[key]) for r in RunDir(directory).read_metrics() if key in r], dtype=float)
+        if not len(logged):
             return None, None
-        series.append(np.array(logged, dtype=float))
-    length = min(len(s) for s in series)
-    window = max(1, min(smooth, length))
-    kernel = np.ones(window) / window
-    steps = series[0][:length, 0][window - 1 :]
-    values = np.array([np.convolve(s[:length, 1], kernel, mode="valid") for s in series])
-    return steps, values
+        window = max(1, min(smooth, len(logged)))
+        values = np.convolve(logged[:, 1], np.ones(window) / window, mode="valid")
+        series.append(dict(zip(logged[window - 1 :, 0].tolist(), values.tolist(), strict=True)))
+    steps = sorted(set.intersection(*(set(run) for run in series)))
+    if not steps:
+        return None, None
+    return np.array(steps), np.array([[run[step] for step in steps] for run in series])
 
 
 def save(figure, path: Path) -> None:

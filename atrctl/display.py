@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -137,62 +138,103 @@ changes it; 0 writes every update)."""
 
 class PlainProgress:
     """What a rich Progress shows, as plain lines for a log file: rich draws its bars with control codes that
-    a file gets only at the end, so a job under nohup or SLURM would look hung.  A bar's line is written at
-    its first update, then every `interval` seconds while it is updated (news or not: a heartbeat), and
-    when it completes: description, done/total, its status fields, elapsed time and the remaining time at
-    the rate so far.  With interval 0 every update that changed something is written."""
+    a file gets only at the end, so a job under nohup or SLURM would look hung.
+
+    A bar's line is written at its first update, when it completes, and every `interval` seconds between,
+    from a timer thread, news or not (a heartbeat: a log that stops growing means a stopped job, not a
+    long step).  A line is the description, done/total, the status fields, the elapsed time and, from the
+    second update on, the remaining time at the rate since the first (a resumed run's steps done before are
+    not part of the rate).  With interval 0 there is no timer: every update that changed something is written.
+    """
 
     def __init__(self, *columns, console: Console, interval: float | None = None, **ignored):
         self.file = console.file
-        if interval is None:
-            interval = float(os.environ.get("ATRCTL_PROGRESS_SECONDS", PLAIN_INTERVAL))
-        self.interval = interval
+        self.interval = progress_interval() if interval is None else interval
         self.bars: dict[int, dict] = {}
         self.live = types.SimpleNamespace(transient=False, stop=lambda: None)  # what training_bars' quiet stop sets
         self.disable = False
+        self.lock, self.stopped = threading.Lock(), threading.Event()
+        self.timer = threading.Thread(target=self._heartbeat, daemon=True) if self.interval > 0 else None
 
     def __enter__(self):
+        if self.timer is not None:
+            self.timer.start()
         return self
 
     def __exit__(self, *exc):
-        if exc[0] is None:
-            for bar in self.bars.values():  # the state each bar ended in, unless its last line said it
-                if bar["written"] != (bar["completed"], bar["fields"]):
-                    self._write(bar)
+        self.stopped.set()
+        if self.timer is not None and self.timer.is_alive():
+            self.timer.join()
+        if exc[0] is None and not self.disable:
+            with self.lock:
+                for bar in self.bars.values():  # the state each bar ended in, unless its last line said it
+                    if bar["written"] != (bar["completed"], bar["fields"]):
+                        self._write(bar)
         return False
 
     def add_task(self, description: str, total: float | None = None, **fields) -> int:
-        key = len(self.bars)
-        now = time.monotonic()
-        self.bars[key] = {"description": description, "total": total, "completed": 0, "fields": fields,
-                          "started": now, "last": None, "written": None}  # fmt: skip
+        with self.lock:
+            key = len(self.bars)
+            self.bars[key] = {"description": description, "total": total, "completed": 0, "fields": fields,
+                              "started": time.monotonic(), "first": None, "last": None, "written": None}  # fmt: skip
         return key
 
     def update(self, key: int, *, completed: float | None = None, total: float | None = None, **fields) -> None:
-        bar = self.bars[key]
-        if completed is not None:
-            bar["completed"] = completed
-        if total is not None:
-            bar["total"] = total
-        bar["fields"] = {**bar["fields"], **fields}
-        now, finished = time.monotonic(), bar["total"] is not None and bar["completed"] >= bar["total"]
-        if self.disable:
-            return
-        changed = bar["written"] != (bar["completed"], bar["fields"])
-        due = bar["last"] is None or now - bar["last"] >= self.interval
-        if (finished and changed) or (due and (changed or self.interval > 0)):  # a due line with no news: a heartbeat
-            self._write(bar)
+        with self.lock:
+            bar, now = self.bars[key], time.monotonic()
+            if completed is not None:
+                bar["completed"] = completed
+            if total is not None:
+                bar["total"] = total
+            bar["fields"] = {**bar["fields"], **fields}
+            if bar["first"] is None:
+                bar["first"] = (now, bar["completed"])
+            if self.disable:
+                return
+            changed = bar["written"] != (bar["completed"], bar["fields"])
+            if bar["last"] is None or (changed and (self._finished(bar) or self.interval == 0)):
+                self._write(bar)
+
+    def _heartbeat(self) -> None:
+        while not self.stopped.wait(min(self.interval, 1.0)):
+            with self.lock:
+                now = time.monotonic()
+                for bar in self.bars.values():
+                    due = bar["last"] is not None and now - bar["last"] >= self.interval
+                    if due and not self._finished(bar) and not self.disable:
+                        self._write(bar)
+
+    @staticmethod
+    def _finished(bar: dict) -> bool:
+        return bar["total"] is not None and bar["completed"] >= bar["total"]
 
     def _write(self, bar: dict) -> None:
         now = time.monotonic()
-        elapsed, done, total = now - bar["started"], bar["completed"], bar["total"]
+        done, total = bar["completed"], bar["total"]
         parts = [bar["description"], f"{done:g}/{total:g}" if total is not None else f"{done:g}"]
         parts += [str(value) for value in bar["fields"].values() if str(value)]
-        parts.append(f"elapsed {_clock(elapsed)}")
-        if total and 0 < done < total:
-            parts.append(f"ETA {_clock(elapsed * (total - done) / done)}")
+        parts.append(f"elapsed {_clock(now - bar['started'])}")
+        since, done_then = bar["first"] or (now, done)
+        if total and done < total and done > done_then and now > since:  # the rate since the first update
+            parts.append(f"ETA {_clock((now - since) * (total - done) / (done - done_then))}")
         print("  ".join(parts), file=self.file, flush=True)
         bar["last"], bar["written"] = now, (bar["completed"], dict(bar["fields"]))
+
+
+def progress_interval() -> float:
+    """PLAIN_INTERVAL, or ATRCTL_PROGRESS_SECONDS when set (a number of seconds >= 0)."""
+    raw = os.environ.get("ATRCTL_PROGRESS_SECONDS")
+    if raw is None:
+        return PLAIN_INTERVAL
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not (seconds >= 0 and seconds < float("inf")):
+        from atrctl.errors import UserError
+
+        raise UserError(f"ATRCTL_PROGRESS_SECONDS must be a number of seconds >= 0, got {raw!r}; e.g. 30")
+    return seconds
 
 
 def _clock(seconds: float) -> str:

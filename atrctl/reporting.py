@@ -20,12 +20,16 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from atrctl.errors import UserError
+from atrctl.errors import UserError, first_line
 
 REPORTERS = ("tensorboard", "wandb")
 INSTALL = {
     "tensorboard": 'pip install tensorboard (or -e ".[tensorboard]")',
     "wandb": 'pip install wandb (or -e ".[wandb]")',
+}
+START_HELP = {
+    "tensorboard": "check that the run directory is writable",
+    "wandb": "log in (`wandb login`, or WANDB_API_KEY), or set WANDB_MODE=offline to keep the run local",
 }
 SAMPLE_COLUMNS = ("problem", "sample", "prompt", "completion", "answer", "gold", "reward")
 
@@ -59,19 +63,29 @@ def check_installed(names: Sequence[str]) -> None:
 
 
 def comparison_group(run_path: Path) -> str | None:
-    """The comparison or sweep a run belongs to: the folder above <comparison>/runs/, else None."""
+    """The comparison or sweep a run belongs to (<comparison>/runs/<run>, beside its compare.json or
+    sweep.json), else None."""
     run_path = Path(run_path).resolve()
-    return run_path.parent.parent.name if run_path.parent.name == "runs" else None
+    comparison = run_path.parent.parent
+    markers = (comparison / "compare.json", comparison / "sweep.json")
+    return comparison.name if run_path.parent.name == "runs" and any(m.is_file() for m in markers) else None
 
 
 class Reporters:
     """The run's trackers, fed together; an empty list of names makes every call a no-op."""
 
-    def __init__(self, names: Sequence[str], run_path: Path, recipe: dict):
+    def __init__(self, names: Sequence[str], run_path: Path, recipe: dict, resumed_at: int | None = None):
+        """`resumed_at`: the step a resumed run's checkpoint holds; what a tracker got after it (logged before
+        a crash, then trimmed from metrics.jsonl) is overwritten by the steps logged again."""
         made = []
         try:
             for name in names:
-                made.append(TensorBoard(run_path, recipe) if name == "tensorboard" else Wandb(run_path, recipe))
+                kind = TensorBoard if name == "tensorboard" else Wandb
+                try:
+                    made.append(kind(run_path, recipe, resumed_at))
+                except Exception as error:  # a tracker that cannot start (no login, no network) is bad input
+                    why = first_line(error)
+                    raise UserError(f"{name} reporting could not start ({why}); {START_HELP[name]}") from None
         except BaseException:
             for reporter in made:
                 reporter.close(failed=True)
@@ -99,15 +113,19 @@ class Reporters:
 class TensorBoard:
     """Event files in <run>/tensorboard/: scalars per step, the recipe and the tables as text."""
 
-    def __init__(self, run_path: Path, recipe: dict):
+    def __init__(self, run_path: Path, recipe: dict, resumed_at: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         from atrctl.config import to_toml
+        from atrctl.rundir import RunDir
 
-        self.writer = SummaryWriter(str(Path(run_path) / "tensorboard"))
+        purge = None if resumed_at is None else resumed_at + 1  # events after the checkpoint are logged again
+        self.writer = SummaryWriter(str(RunDir(run_path).tensorboard), purge_step=purge)
+        self.step = resumed_at or 0
         self.writer.add_text("recipe", "```toml\n" + to_toml(recipe) + "```", 0)
 
     def log(self, record: dict) -> None:
+        self.step = record["step"]
         for key, value in record.items():
             if key != "step":
                 self.writer.add_scalar(key, value, record["step"])
@@ -122,9 +140,9 @@ class TensorBoard:
             lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
             lines += ["| " + " | ".join("" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in row)
                       + " |" for row in rows]  # fmt: skip
-            self.writer.add_text(name, "\n".join(lines), 0)
+            self.writer.add_text(name, "\n".join(lines), self.step)
         for key, value in summary.items():
-            self.writer.add_scalar(f"summary/{key}", value, 0)
+            self.writer.add_scalar(f"summary/{key}", value, self.step)
 
     def close(self, failed: bool = False) -> None:
         self.writer.close()
@@ -133,7 +151,7 @@ class TensorBoard:
 class Wandb:
     """A W&B run per atrctl run, continued on resume (its id in <run>/wandb/id)."""
 
-    def __init__(self, run_path: Path, recipe: dict):
+    def __init__(self, run_path: Path, recipe: dict, resumed_at: int | None = None):
         import wandb
 
         run_path = Path(run_path)
@@ -157,23 +175,27 @@ class Wandb:
             settings=wandb.Settings(console="off", silent=True),  # atrctl's own output stays as it is
         )
         self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
+        self.run.define_metric("*", step_metric="step")  # the charts' x axis: atrctl's step
+        self.step = resumed_at or 0
 
     def log(self, record: dict) -> None:
-        self.run.log(record)
+        # W&B's own step too, so that sessions line up when a resumed run is synced; steps logged again after
+        # a resume (the crash came after the checkpoint) hold the values the lost session logged: resume is exact
+        self.step = record["step"]
+        self.run.log(record, step=record["step"])
 
     def samples(self, step: int, rows: list[dict]) -> None:
         import wandb
 
         data = [[row.get(c) if c == "reward" else str(row.get(c, "")) for c in SAMPLE_COLUMNS] for row in rows]
         table = wandb.Table(columns=list(SAMPLE_COLUMNS), data=data, allow_mixed_types=True)
-        self.run.log({"samples": table, "step": step})
+        self.run.log({"samples": table, "step": step}, step=max(step, self.step))
 
     def tables(self, tables: dict, summary: dict[str, float]) -> None:
         import wandb
 
         self.run.log({name: wandb.Table(columns=list(columns), data=rows, allow_mixed_types=True)
-                      for name, (columns, rows) in tables.items()})  # fmt: skip
+                      for name, (columns, rows) in tables.items()}, step=self.step)  # fmt: skip
         self.run.summary.update(summary)
 
     def close(self, failed: bool = False) -> None:
@@ -207,7 +229,11 @@ def report_evaluation(run_path: Path, passk_csv: Path) -> None:
     headline = {f"evaluation/pass@{int(row[0])}": row[1] for row in data if isinstance(row[1], float)}
     from atrctl.config import recipe_to_dict
 
-    reporters = Reporters(names, run_path, recipe_to_dict(recipe))
+    last = max((record["step"] for record in RunDir(run_path).read_metrics()), default=0)
+    try:  # the tables go one step after training's last, where a resumed W&B run still takes rows
+        reporters = Reporters(names, run_path, recipe_to_dict(recipe), resumed_at=last + 1)
+    except UserError as error:
+        raise UserError(f"{error} (the evaluation itself is written: {passk_csv.parent})") from None
     try:
         reporters.tables({"evaluation/passk": (columns, data)}, headline)
     finally:

@@ -123,8 +123,13 @@ class RunDir:
         atomic.write_text(self.config, to_toml({**recipe_to_dict(recipe), "environment": environment}))
 
     def restore_replaced(self) -> None:
-        """Undo `create`'s replacement, if the new run never logged a step (the first one drops the old run)."""
-        restore_aside(self.path)
+        """Undo `create` for a new run that never logged a step (the first one drops the run it replaced): the
+        run it replaced comes back, or, if it replaced none, the directory goes (it holds only what this
+        attempt wrote), so that the same command can simply be run again."""
+        if aside(self.path).exists():
+            restore_aside(self.path)
+        elif not self.read_metrics():
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def recover(self) -> None:
         """Finish an --overwrite a crash interrupted (see `recover`): the new run stays if it logged a step."""

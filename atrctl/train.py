@@ -188,7 +188,7 @@ def _run_steps(
     """`_loop`, reported to the recipe's trackers (rank 0): its steps, and the held-out table at the end."""
     recipe = run.recipe
     names = reporter_names(recipe.run.report_to, recipe.run.tensorboard) if distributed.is_main() else []
-    reporters = Reporters(names, run.run_dir.path, recipe_to_dict(recipe))
+    reporters = Reporters(names, run.run_dir.path, recipe_to_dict(recipe), resumed_at=state.step if resume else None)
     try:
         summary = _loop(run, state, resume, on_step, on_notice, reporters)
     except BaseException:

@@ -57,6 +57,28 @@ def test_curves_are_trailing_means_over_seeds_with_their_range(comparison):
     assert band.min() == 0.5 and band.max() == 4.5
 
 
+def test_seeds_are_lined_up_by_step_not_by_position(tmp_path):
+    """A metric one seed logged at steps 1, 3, 5, 7 and the other at 1-4 is averaged on the steps both have."""
+    runs = tmp_path / "compare-x" / "runs"
+    fake_run(runs / "a-s0", [0.0] * 7, entropy=[1.0, None, 3.0, None, 5.0, None, 7.0])
+    fake_run(runs / "a-s1", [0.0] * 4, entropy=[10.0, 20.0, 30.0, 40.0])
+    for path in runs.glob("*/metrics.jsonl"):  # None: the step did not log it
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in lines))
+    steps, values = curves._smoothed(curves.run_groups([tmp_path / "compare-x"])["a"], "entropy", 1)
+    assert steps.tolist() == [1, 3] and values.tolist() == [[1.0, 3.0], [10.0, 30.0]]
+
+
+def test_a_run_given_twice_or_without_steps_is_refused(comparison, tmp_path):
+    with pytest.raises(UserError, match="is given twice"):
+        curves.run_groups([comparison, comparison / "."])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="no run has logged a step yet"):
+        curves.check_metrics(curves.run_groups([empty]), None)
+
+
 def test_compare_draws_its_training_figure_through_the_same_function(comparison):
     runs = curves.run_groups([comparison])
     ours = training_figure(runs)

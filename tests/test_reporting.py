@@ -75,8 +75,29 @@ def test_report_to_names_known_trackers_once():
 
 
 def test_a_run_of_a_comparison_is_grouped_under_it(tmp_path):
-    assert comparison_group(tmp_path / "compare-grpo-atr" / "runs" / "atr-s0") == "compare-grpo-atr"
+    run = tmp_path / "compare-grpo-atr" / "runs" / "atr-s0"
+    assert comparison_group(run) is None  # a folder named runs/ is not enough
+    run.parent.mkdir(parents=True)
+    (tmp_path / "compare-grpo-atr" / "compare.json").write_text("{}")
+    assert comparison_group(run) == "compare-grpo-atr"
     assert comparison_group(tmp_path / "results" / "atr-arith-s0") is None
+
+
+def test_a_tracker_that_cannot_start_is_one_line_and_leaves_no_run(results, capsys, monkeypatch):
+    from atrctl import reporting
+
+    def refuse(self, *args):
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(reporting.Wandb, "__init__", refuse)
+    pytest.importorskip("wandb")
+    sets = [arg for item in FAST for arg in ("--set", item)]
+    capsys.readouterr()
+    assert main(["train", "--results", str(results), "--name", "offline-not", "--report-to", "wandb", *sets]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "wandb reporting could not start (api_key not configured" in err
+    assert "WANDB_MODE=offline" in err
+    assert not (results / "offline-not").exists()  # the same command can simply be run again
 
 
 def test_report_to_flag_and_missing_wandb_are_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
@@ -140,6 +161,7 @@ def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(results
     for record in records(directory):  # every metric of every step of metrics.jsonl, with its value
         row = logged[record["step"]]
         assert {key: row[key] for key in record} == pytest.approx(record, rel=1e-12)
+        assert row["_step"] == record["step"]  # W&B's own step too: sessions line up when synced
     assert sorted(logged) == [1, 2, 3, 4]
     tables = [row for row in first["history"] + resumed["history"] if "samples/nrows" in row]
     assert [row["step"] for row in tables] == [0, 2, 4] and all(row["samples/nrows"] == 12 for row in tables)

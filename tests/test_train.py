@@ -512,7 +512,9 @@ def test_without_a_terminal_progress_is_plain_lines_at_an_interval(results, caps
     lines = [line for line in out.splitlines() if line.startswith("train atr ")]
     assert [int(line.split()[2].split("/")[0]) for line in lines] == shown
     assert all("/3  reward " in line and "elapsed 0:00:" in line for line in lines)
-    assert "ETA" in lines[0] and "ETA" not in lines[-1]  # the last line has nothing left to estimate
+    assert "ETA" not in lines[0] and "ETA" not in lines[-1]  # no rate yet; nothing left to estimate
+    if seconds == "0":
+        assert "ETA 0:00:0" in lines[1]  # the rate since the first update
     assert "eval greedy" in lines[-1] and "pass@1" in lines[-1]
     if seconds == "0":
         assert "eval greedy" not in lines[0] and "(step 2)" not in lines[1] and lines[2].endswith(tuple("0123456789"))
