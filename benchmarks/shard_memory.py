@@ -33,18 +33,12 @@ RESULT = "RESULT "
 CONFIGS = ("full", "fsdp2", "lora")
 
 
-def rss_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
     sys.path[:0] = [str(ROOT / "benchmarks")]
     from fresh_models import real_vocabulary_shape
+    from update_memory import rss_mib
 
     from atrctl import distributed
     from atrctl.adapters import add_adapters, lora_settings, trained_parameters

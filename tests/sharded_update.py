@@ -4,8 +4,8 @@ The first mini-batch's advantages are all 0, so no rank trains a row of it, whil
 with the old logprobs recomputed first (a pass without backward), the first optimiser step then has no
 forward or backward pass at all.  The final parameters, gathered, go to argv[1] (torch.save, rank 0).
 
-    python tests/sharded_update.py OUT RESULTS none
     python -m torch.distributed.run --nproc-per-node 2 tests/sharded_update.py OUT RESULTS fsdp
+(the unsharded update: `crafted_update(results, "none")` in the test's own process)
 """
 
 import sys
@@ -21,16 +21,24 @@ from atrctl.batching import parts  # noqa: E402
 from atrctl.sharding import full_tensor  # noqa: E402
 from atrctl.train import build_run, rollout_step, update_step  # noqa: E402
 
-out, results, shard = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-torch.set_num_threads(1)
-with distributed.process_group(torch.device("cpu")):
-    run = build_run(test_sharding.recipe(f"model.shard={shard}"), results / "unused", results)
-    rollout, rewards, _ = rollout_step(run, 0)
-    group = rewards.shape[1]
-    sample = torch.arange(rewards.numel()) % group  # rows are prompt-major: row i is sample i % G of its prompt
-    advantages = torch.where(sample % 2 == 0, 1.0, -1.0)
-    advantages[parts(rewards.numel(), run.recipe.algo.minibatches)[0]] = 0.0  # the first mini-batch: nothing to train
-    metrics, finite = update_step(run, rollout, advantages, 0)
-    weights = {name: full_tensor(p.detach()).clone() for name, p in run.model.named_parameters()}
-    if distributed.is_main():
-        torch.save({"weights": weights, "finite": finite, "loss": metrics.get("loss")}, out)
+
+def crafted_update(results: Path, shard: str) -> dict | None:
+    """Build the run, sample step 0, update on the crafted advantages: rank 0's gathered weights, finite, loss."""
+    with distributed.process_group(torch.device("cpu")):
+        run = build_run(test_sharding.recipe(f"model.shard={shard}"), results / "unused", results)
+        rollout, rewards, _ = rollout_step(run, 0)
+        group = rewards.shape[1]
+        sample = torch.arange(rewards.numel()) % group  # rows are prompt-major: row i is sample i % G of its prompt
+        advantages = torch.where(sample % 2 == 0, 1.0, -1.0)
+        advantages[parts(rewards.numel(), run.recipe.algo.minibatches)[0]] = 0.0  # the first mini-batch: nothing
+        metrics, finite = update_step(run, rollout, advantages, 0)
+        weights = {name: full_tensor(p.detach()).clone() for name, p in run.model.named_parameters()}
+        return {"weights": weights, "finite": finite, "loss": metrics.get("loss")} if distributed.is_main() else None
+
+
+if __name__ == "__main__":
+    out, results, shard = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    done = crafted_update(results, shard)
+    if done is not None:
+        torch.save(done, out)

@@ -1,5 +1,6 @@
 """`atrctl compare`: arms, the two-level bootstrap table, and a small end-to-end comparison."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -99,7 +100,9 @@ def compare_args(results, *extra):
 @pytest.mark.slow
 def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", "0")  # every update, as plain lines: stdout is not a terminal
-    assert main(compare_args(tmp_path)) == 0
+    wandb = importlib.util.find_spec("wandb") is not None  # the dev extra has it: its runs are checked here too
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert main(compare_args(tmp_path, *(["--report-to", "wandb"] if wandb else []))) == 0
     directory = tmp_path / "compare-grpo-atr"
     out = capsys.readouterr().out
     assert "\x1b" not in out and out.count("train 2 runs  4/4") == 1 and "eval grpo-s0  8/8" in out
@@ -118,9 +121,20 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkey
     assert "atrctl compare grpo atr" in report and "| atr − grpo | 1 |" in report
     assert "problem noise only" in report  # one seed: the report says what its intervals cover
     assert "atr − grpo" in out
+    if wandb:  # each run's W&B run is grouped under the comparison and gets its evaluation
+        from test_reporting import offline_runs
+
+        for arm in ("grpo", "atr"):
+            run = directory / "runs" / f"{arm}-s0"
+            training, evaluation = offline_runs(run)[:2]  # the rerun below reports its evaluation again
+            assert training["group"] == evaluation["group"] == "compare-grpo-atr"
+            assert training["name"] == f"{arm}-s0" and training["id"] == evaluation["id"]
+            assert any("evaluation/passk/nrows" in row for row in evaluation["history"])
+            pass_at_1 = float((run / "eval" / "passk.csv").read_text().splitlines()[1].split(",")[1])
+            assert evaluation["summary"]["evaluation/pass@1"] == pytest.approx(pass_at_1)
 
     finished = {run: (directory / "runs" / run / "summary.json").stat().st_mtime_ns for run in ("grpo-s0", "atr-s0")}
-    assert main(compare_args(tmp_path)) == 0  # the same command again: runs are reused, not retrained
+    assert main(compare_args(tmp_path)) == 0  # again, without --report-to: runs are reused, not retrained
     assert {run: (directory / "runs" / run / "summary.json").stat().st_mtime_ns for run in finished} == finished
 
     assert main(compare_args(tmp_path, "--max-kl3", "0.05")) == 2  # a different comparison under the same name

@@ -174,20 +174,3 @@ def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(results
     assert main(["eval", str(directory), "--n", "2", "--problems", "4"]) == 0  # its evaluation: the same W&B run
     evaluation = offline_runs(directory)[-1]
     assert evaluation["id"] == first["id"] and any("evaluation/passk/nrows" in row for row in evaluation["history"])
-
-
-@pytest.mark.slow
-def test_runs_of_a_comparison_are_grouped_and_get_their_evaluation(tmp_path, offline):
-    sets = [arg for item in FAST for arg in ("--set", item)]
-    args = ["compare", "grpo", "atr", "--seeds", "1", "--steps", "1", "--n", "2", "--problems", "4", "--results",
-            str(tmp_path), "--report-to", "wandb", *sets]  # fmt: skip
-    assert main(args) == 0
-    for arm in ("grpo", "atr"):
-        directory = tmp_path / "compare-grpo-atr" / "runs" / f"{arm}-s0"
-        training, evaluation = offline_runs(directory)
-        assert training["group"] == evaluation["group"] == "compare-grpo-atr"
-        assert training["name"] == f"{arm}-s0" and training["id"] == evaluation["id"]
-        assert any("evaluation/passk/nrows" in row for row in evaluation["history"])
-        assert evaluation["summary"]["evaluation/pass@1"] == pytest.approx(
-            float((directory / "eval" / "passk.csv").read_text().splitlines()[1].split(",")[1])
-        )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from test_distributed import assert_same_weights, weights  # the data-parallel tests' tolerance
 
 from atrctl.config import load_recipe
 from atrctl.errors import UserError
@@ -59,16 +59,6 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 def records(directory):
     return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(directory):
-    return load_file(directory / "model" / "model.safetensors")
-
-
-def assert_same_weights(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=2e-5, msg=name)
 
 
 def torchrun(*args, check=True):
@@ -130,15 +120,15 @@ def single(results):
 @pytest.mark.slow
 def test_an_update_whose_first_minibatch_trains_no_row_matches_one_process(results, single, tmp_path):
     """No rank has a pass in the first mini-batch, after the old logprobs' pass without backward."""
+    from sharded_update import crafted_update
+
     script = str(Path(__file__).parent / "sharded_update.py")
     env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    runs = {"none": [sys.executable, script], "fsdp": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                       "--nproc-per-node=2", script]}  # fmt: skip
-    for shard, command in runs.items():
-        done = subprocess.run([*command, str(tmp_path / shard), str(results), shard], capture_output=True, text=True,
-                              env=env)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-    alone, sharded = (torch.load(tmp_path / shard, weights_only=True) for shard in runs)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script]
+    done = subprocess.run([*command, str(tmp_path / "fsdp"), str(results), "fsdp"], capture_output=True, text=True,
+                          env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone, sharded = crafted_update(results, "none"), torch.load(tmp_path / "fsdp", weights_only=True)
     assert alone["finite"] and sharded["finite"]
     assert sharded["loss"] == pytest.approx(alone["loss"], abs=1e-6)
     assert_same_weights(alone["weights"], sharded["weights"])
