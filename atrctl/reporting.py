@@ -22,7 +22,6 @@ from pathlib import Path
 
 from atrctl.errors import UserError, first_line
 
-REPORTERS = ("tensorboard", "wandb")
 INSTALL = {
     "tensorboard": 'pip install tensorboard (or -e ".[tensorboard]")',
     "wandb": 'pip install wandb (or -e ".[wandb]")',
@@ -54,10 +53,7 @@ def check_installed(names: Sequence[str]) -> None:
     """Each tracker's library imports; else one line saying how to install it (before anything is written)."""
     for name in names:
         try:
-            if name == "tensorboard":
-                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-            else:
-                import wandb  # noqa: F401
+            __import__(LIBRARIES[name])  # through the import statement's own hook
         except ImportError:
             raise UserError(f"run.report_to = {name} needs the {name} package: {INSTALL[name]}") from None
 
@@ -80,9 +76,8 @@ class Reporters:
         made = []
         try:
             for name in names:
-                kind = TensorBoard if name == "tensorboard" else Wandb
                 try:
-                    made.append(kind(run_path, recipe, resumed_at))
+                    made.append(REPORTERS[name](run_path, recipe, resumed_at))
                 except Exception as error:  # a tracker that cannot start (no login, no network) is bad input
                     why = first_line(error)
                     raise UserError(f"{name} reporting could not start ({why}); {START_HELP[name]}") from None
@@ -200,6 +195,13 @@ class Wandb:
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+
+
+REPORTERS = {"tensorboard": TensorBoard, "wandb": Wandb}
+"""Tracker name → its reporter: a class (run_path, recipe dict, resumed_at) with log(record), samples(step,
+rows), tables(tables, summary) and close(failed), importing its library only when made."""
+LIBRARIES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
+"""What each tracker imports: checked before a run writes anything."""
 
 
 def held_out_table(summary: dict) -> tuple[dict, dict[str, float]]:
