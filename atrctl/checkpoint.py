@@ -60,21 +60,26 @@ def restore_rng(state: TrainState) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+def checkpointed(model) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of `model` stores, by name: every weight, or only the trained ones beside a
+    frozen base (LoRA adapters)."""
+    from atrctl.adapters import trains_adapters
+
+    if trains_adapters(model):
+        return {name: p for name, p in model.named_parameters() if p.requires_grad}
+    return model.state_dict()
+
+
 def checkpoint_contents(model, optimizer) -> tuple[dict[str, torch.Tensor], dict] | None:
     """(trained weights on the CPU, optimiser state) to checkpoint.  Every rank calls it (a sharded model is
     gathered: a collective); the contents come back on rank 0, None on the others."""
     from atrctl import distributed, sharding
-    from atrctl.adapters import trains_adapters
 
     if sharding.is_sharded(model):
         return sharding.full_contents(model, optimizer)
     if not distributed.is_main():
         return None
-    if trains_adapters(model):
-        named = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    else:
-        named = model.state_dict()
-    weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named.items()}
+    weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in checkpointed(model).items()}
     return weights, optimizer.state_dict()
 
 
@@ -153,7 +158,7 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
     from atrctl import sharding
     from atrctl.adapters import trains_adapters
 
-    state = read_state(directory)
+    state, sharded = read_state(directory), sharding.is_sharded(model)
     expected = "lora" if trains_adapters(model) else "full"
     if state.weights != expected:  # before reading a byte of weights: say what differs, not which names are missing
         raise UserError(
@@ -162,14 +167,13 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
             "recipe the run was started with"
         )
     # a sharded model reads the full tensors on the host and keeps its part of each: never the whole on its device
-    device = torch.device("cpu") if sharding.is_sharded(model) else next(model.parameters()).device
+    device = torch.device("cpu") if sharded else next(model.parameters()).device
     try:
         weights = load_file(directory / "model.safetensors", device=str(device))
     except (OSError, SafetensorError) as error:
         raise UserError(f"{directory / 'model.safetensors'} is missing or damaged ({error}); the run cannot resume "
                         "from it") from None  # fmt: skip
-    own = {name for name, p in model.named_parameters() if p.requires_grad} if expected == "lora" else None
-    names = set(model.state_dict()) if own is None else own
+    names = set(checkpointed(model))
     missing, unexpected = sorted(names - set(weights)), sorted(set(weights) - names)
     if missing or unexpected:  # a checkpoint of another model: never resume from half of it
         listed = ", ".join((missing or unexpected)[:3])
@@ -177,7 +181,7 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
             f"checkpoint {directory} does not match the model ({'missing' if missing else 'unexpected'} "
             f"weights: {listed}); resume with the recipe the run was started with"
         )
-    if sharding.is_sharded(model):
+    if sharded:
         sharding.load_full_weights(model, weights)
     else:
         model.load_state_dict(weights, strict=False)  # strict=False: a LoRA checkpoint has no base weights
@@ -186,8 +190,8 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
         with warnings.catch_warnings():  # a damaged file is reported below, in one line, not as torch's warning
             warnings.simplefilter("ignore", UserWarning)
             saved = torch.load(directory / "optimizer.pt", map_location=device, weights_only=True,
-                               mmap=sharding.is_sharded(model))  # fmt: skip
-        if sharding.is_sharded(model):
+                               mmap=sharded)  # fmt: skip
+        if sharded:
             sharding.load_full_optimizer_state(optimizer, saved)
         else:
             optimizer.load_state_dict(saved)

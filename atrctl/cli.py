@@ -486,7 +486,7 @@ def _reported_run(target: str, out: Path) -> Path | None:
     if not run.config.is_file() or Path(out).resolve() != run.eval.resolve():
         return None
     recipe = run.recipe()
-    names = reporter_names(recipe.run.report_to, recipe.run.tensorboard)
+    names = reporter_names(recipe.run)
     check_installed(names)
     return run.path if names else None
 

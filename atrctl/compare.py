@@ -327,7 +327,7 @@ def plan_comparison(
         raise UserError(f"{kind} needs at least two arms, e.g. `atrctl compare grpo atr`")
     from atrctl.reporting import check_installed, reporter_names
 
-    check_installed(reporter_names(recipe.run.report_to, recipe.run.tensorboard))  # here, not in each run's log
+    check_installed(reporter_names(recipe.run))  # here, not in each run's log
     arms = parse_arms(arm_names)
     from atrctl.tasks import get_task
 

@@ -19,8 +19,12 @@ import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from atrctl.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    from atrctl.config import RunConfig
 
 INSTALL = {
     "tensorboard": 'pip install tensorboard (or -e ".[tensorboard]")',
@@ -33,9 +37,9 @@ START_HELP = {
 SAMPLE_COLUMNS = ("problem", "sample", "prompt", "completion", "answer", "gold", "reward")
 
 
-def reporter_names(report_to: Sequence[str], tensorboard: bool) -> list[str]:
-    """The trackers a recipe asks for: run.report_to, plus TensorBoard for the run.tensorboard shorthand."""
-    return list(dict.fromkeys([*report_to, *(["tensorboard"] if tensorboard else [])]))
+def reporter_names(run: RunConfig) -> list[str]:
+    """The trackers a recipe's [run] asks for: report_to, plus TensorBoard for the tensorboard shorthand."""
+    return list(dict.fromkeys([*run.report_to, *(["tensorboard"] if run.tensorboard else [])]))
 
 
 def check_report_to(names: Sequence[str]) -> None:
@@ -221,7 +225,7 @@ def report_evaluation(run_path: Path, passk_csv: Path) -> None:
     from atrctl.rundir import RunDir
 
     recipe = RunDir(run_path).recipe()
-    names = reporter_names(recipe.run.report_to, recipe.run.tensorboard)
+    names = reporter_names(recipe.run)
     if not names:
         return
     with open(passk_csv, newline="") as handle:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from atrctl.sharding import local_part
+from atrctl.sharding import local_part, optimizer_parameters
 
 
 class Snapshot:
@@ -27,7 +27,7 @@ class Snapshot:
 
     def take(self) -> None:
         """Copy the current weights and optimiser state (into the buffers of the last copy when they fit)."""
-        params = self._parameters()
+        params = optimizer_parameters(self.optimizer)
         if len(self._weights) != len(params):
             self._weights = [_host_buffer(p) for p in params]
         for buffer, param in zip(self._weights, params, strict=True):
@@ -43,7 +43,8 @@ class Snapshot:
         the run holds no older state to go back to."""
         assert self.held, "restore() without a snapshot"
         with torch.no_grad():
-            for param, buffer, saved in zip(self._parameters(), self._weights, self._states, strict=True):
+            params = optimizer_parameters(self.optimizer)
+            for param, buffer, saved in zip(params, self._weights, self._states, strict=True):
                 local_part(param).copy_(buffer)
                 if saved is None:  # an optimiser that had not stepped this parameter yet starts it afresh
                     self.optimizer.state.pop(param, None)
@@ -52,9 +53,6 @@ class Snapshot:
                     for key, value in saved.items():
                         local_part(live[key]).copy_(value)
         self.held = False
-
-    def _parameters(self) -> list[torch.Tensor]:
-        return [param for group in self.optimizer.param_groups for param in group["params"]]
 
 
 def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,12 @@ def loss_scale() -> float:
     return float(distributed.world_size())
 
 
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters an optimiser steps, in its order: what trains (LoRA: the adapters) as it is stored
+    (sharded: the DTensors, which a module can swap for gathered tensors between passes)."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """A rank's own part of a sharded tensor (the tensor itself when it is not one)."""
     from torch.distributed.tensor import DTensor
@@ -170,7 +176,7 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> 
     model: each parameter's moments are cut as the parameter is."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    params = [param for group in optimizer.param_groups for param in group["params"]]
+    params = optimizer_parameters(optimizer)
     state = {}
     for index, entry in saved["state"].items():
         param = params[index]
@@ -186,7 +192,7 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> 
 def memory_line(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """What this rank holds of the trained parameters, their gradients and AdamW's state, against the whole
     (what one process holds unsharded), measured from the tensors themselves."""
-    params = [param for group in optimizer.param_groups for param in group["params"]]
+    params = optimizer_parameters(optimizer)
     tensors = [*params, *(p.grad for p in params if p.grad is not None)]
     tensors += [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
     here = sum(local_part(t).numel() * local_part(t).element_size() for t in tensors)

@@ -73,6 +73,7 @@ from atrctl.sharding import (
     is_sharded,
     loss_scale,
     memory_line,
+    optimizer_parameters,
     shard_model,
 )
 from atrctl.tasks import Problem, get_task, problem_pool
@@ -134,7 +135,7 @@ def _train(
     # rank 0 decides and every rank abides, so none is left waiting in a collective for a refused one
     distributed.decided_by_main(lambda: run_dir.check_can_start(resume, overwrite))  # before the lock file exists
     if main:  # a tracker's missing library is one line, before anything is written
-        check_installed(reporter_names(recipe.run.report_to, recipe.run.tensorboard))
+        check_installed(reporter_names(recipe.run))
     run = build_run(recipe, run_dir, results, on_warmup)  # every input checked: the lock file comes after
     with ExitStack() as held:
 
@@ -187,7 +188,7 @@ def _run_steps(
 ) -> dict | None:
     """`_loop`, reported to the recipe's trackers (rank 0): its steps, and the held-out table at the end."""
     recipe = run.recipe
-    names = reporter_names(recipe.run.report_to, recipe.run.tensorboard) if distributed.is_main() else []
+    names = reporter_names(recipe.run) if distributed.is_main() else []
     reporters = Reporters(names, run.run_dir.path, recipe_to_dict(recipe), resumed_at=state.step if resume else None)
     try:
         summary = _loop(run, state, resume, on_step, on_notice, reporters)
@@ -586,7 +587,7 @@ def _optimiser_step(
         weight = (aggregation_normaliser(sub.completion_mask, algo.agg) / total).item()  # its exact share
         (loss * (weight * scale)).backward()
         micro.append((metrics, float(sub.completion_mask.sum()), weight))
-    params = [param for group in run.optimizer.param_groups for param in group["params"]]  # the sharded ones
+    params = optimizer_parameters(run.optimizer)  # not the module's: a sharded root may hold gathered tensors
     for parameter in params:  # no row trained: a zero gradient still steps AdamW (momentum, weight decay),
         if parameter.grad is None:  # exactly as computing it would
             parameter.grad = torch.zeros_like(parameter)

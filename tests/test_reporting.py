@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from atrctl.cli import main
-from atrctl.config import load_recipe, recipe_from_dict
+from atrctl.config import RunConfig, load_recipe, recipe_from_dict
 from atrctl.errors import UserError
 from atrctl.reporting import check_report_to, comparison_group, reporter_names
 from atrctl.train import train
@@ -70,8 +70,9 @@ def test_report_to_names_known_trackers_once():
             check_report_to(bad)
         with pytest.raises(UserError, match=message):
             recipe_from_dict({"run": {"report_to": bad}})
-    assert reporter_names(["wandb"], tensorboard=True) == ["wandb", "tensorboard"]  # --tensorboard: a shorthand
-    assert reporter_names(["tensorboard"], tensorboard=True) == ["tensorboard"]
+    shorthand = RunConfig(report_to=["wandb"], tensorboard=True)  # --tensorboard: a shorthand
+    assert reporter_names(shorthand) == ["wandb", "tensorboard"]
+    assert reporter_names(RunConfig(report_to=["tensorboard"], tensorboard=True)) == ["tensorboard"]
 
 
 def test_a_run_of_a_comparison_is_grouped_under_it(tmp_path):
