@@ -487,7 +487,7 @@ def _reported_run(target: str, out: Path) -> Path | None:
         return None
     recipe = run.recipe()
     names = reporter_names(recipe.run)
-    check_installed(names)
+    check_installed(names, run.path)
     return run.path if names else None
 
 

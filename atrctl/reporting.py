@@ -53,13 +53,29 @@ def check_report_to(names: Sequence[str]) -> None:
         raise UserError(f"run.report_to names a tracker twice: {names}")
 
 
-def check_installed(names: Sequence[str]) -> None:
-    """Each tracker's library imports; else one line saying how to install it (before anything is written)."""
+def check_installed(names: Sequence[str], run_path: Path | None = None) -> None:
+    """Each tracker's library imports, and the W&B id a run at `run_path` kept reads; else one line saying
+    what to do (checked before anything is written)."""
     for name in names:
         try:
             __import__(LIBRARIES[name])  # through the import statement's own hook
         except ImportError:
             raise UserError(f"run.report_to = {name} needs the {name} package: {INSTALL[name]}") from None
+    if "wandb" in names and run_path is not None:
+        kept_run_id(Path(run_path))
+
+
+def kept_run_id(run_path: Path) -> str | None:
+    """The W&B run id kept in <run>/wandb/id (None before the run's first report); a file that holds no id is
+    a UserError naming it."""
+    id_file = run_path / "wandb" / "id"
+    if not id_file.is_file():
+        return None
+    run_id = id_file.read_text(errors="replace").strip()
+    if not (run_id.isascii() and run_id.isalnum()):  # ours are 8 hex digits
+        raise UserError(f"{id_file} is not a W&B run id ({run_id[:40]!r}): restore it, or delete it to report "
+                        "this run to a new W&B run")  # fmt: skip
+    return run_id
 
 
 def comparison_group(run_path: Path) -> str | None:
@@ -82,6 +98,8 @@ class Reporters:
             for name in names:
                 try:
                     made.append(REPORTERS[name](run_path, recipe, resumed_at))
+                except UserError:
+                    raise
                 except Exception as error:  # a tracker that cannot start (no login, no network) is bad input
                     why = first_line(error)
                     raise UserError(f"{name} reporting could not start ({why}); {START_HELP[name]}") from None
@@ -154,15 +172,13 @@ class Wandb:
         import wandb
 
         run_path = Path(run_path)
-        id_file = run_path / "wandb" / "id"
-        if id_file.is_file():
-            run_id = id_file.read_text().strip()
-        else:
+        run_id = kept_run_id(run_path)
+        if run_id is None:
             from atrctl import atomic
 
             run_id = secrets.token_hex(4)
-            id_file.parent.mkdir(parents=True, exist_ok=True)
-            atomic.write_text(id_file, run_id + "\n")
+            (run_path / "wandb").mkdir(parents=True, exist_ok=True)
+            atomic.write_text(run_path / "wandb" / "id", run_id + "\n")
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "atrctl"),
             id=run_id,

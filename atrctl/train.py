@@ -135,7 +135,7 @@ def _train(
     # rank 0 decides and every rank abides, so none is left waiting in a collective for a refused one
     distributed.decided_by_main(lambda: run_dir.check_can_start(resume, overwrite))  # before the lock file exists
     if main:  # a tracker's missing library is one line, before anything is written
-        check_installed(reporter_names(recipe.run))
+        check_installed(reporter_names(recipe.run), run_dir.path if resume else None)
     run = build_run(recipe, run_dir, results, on_warmup)  # every input checked: the lock file comes after
     with ExitStack() as held:
 

@@ -172,6 +172,12 @@ def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(results
         == json.loads((directory / "summary.json").read_text())["final"]["eval/greedy"]
     )
 
+    id_file = directory / "wandb" / "id"
+    kept = id_file.read_text()
+    id_file.write_text("../../not an id\n")  # damaged: refused in one line, naming the file, before sampling
+    assert main(["eval", str(directory), "--n", "2", "--problems", "4"]) == 2
+    assert not (directory / "eval").exists()
+    id_file.write_text(kept)
     assert main(["eval", str(directory), "--n", "2", "--problems", "4"]) == 0  # its evaluation: the same W&B run
     evaluation = offline_runs(directory)[-1]
     assert evaluation["id"] == first["id"] and any("evaluation/passk/nrows" in row for row in evaluation["history"])
