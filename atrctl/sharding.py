@@ -15,10 +15,9 @@ What changes around the model, and why:
   rollout cannot wait for the other ranks at every token.  The sampler keeps a full, unsharded copy of
   the policy (`GatheredSampler`), refreshed by one all-gather per parameter after each update: the
   weights it samples are exactly the trained ones, at 4 bytes per parameter more per process.
-- FSDP averages gradients over ranks, while atrctl's loss is already scaled by the global normaliser
-  (its gradients are summed, `train._optimiser_step`): the loss is multiplied by N first
-  (`loss_scale`), exact for N a power of two.  (The exact alternative, FSDP's divide factor 1, needs a
-  PREMUL_SUM reduction that gloo does not have.)
+- FSDP averages gradients over ranks by default, while atrctl's loss is already scaled by the global
+  normaliser, so the ranks' gradients are to be summed (`train._optimiser_step`): every unit reduces
+  with a plain SUM (divide factor 1, sum-only collectives, which gloo and NCCL both have), exact for any N.
 - Checkpoints gather the full weights and optimiser state to rank 0, which writes the same files as an
   unsharded run; a resume scatters them again, at any N.
 """
@@ -69,9 +68,10 @@ def shard_model(model: torch.nn.Module, bf16: bool) -> torch.nn.Module:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     policy = policy if bf16 else None
     options = {"mp_policy": policy} if policy else {}
-    for layer in decoder_layers(model):
-        fully_shard(layer, **options)
-    fully_shard(model)  # the root (embedding, norm, head) stays float32: the logits' precision
+    for unit in [*decoder_layers(model), model]:  # the root last: embedding, norm and head stay float32
+        fully_shard(unit, **(options if unit is not model else {}))
+        unit.set_gradient_divide_factor(1.0)  # sum the ranks' gradients, not their mean
+        unit.set_force_sum_reduction_for_comms(True)  # ... with SUM itself: a factor of 1 otherwise needs PREMUL_SUM
     return model
 
 
@@ -84,11 +84,6 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             'model.shard = "none"'
         )
     return list(layers)
-
-
-def loss_scale() -> float:
-    """What the loss is multiplied by so that FSDP's mean of the ranks' gradients is their sum."""
-    return float(distributed.world_size())
 
 
 def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -71,7 +71,6 @@ from atrctl.sharding import (
     full_copy,
     full_tensor,
     is_sharded,
-    loss_scale,
     memory_line,
     optimizer_parameters,
     shard_model,
@@ -550,7 +549,6 @@ def _optimiser_step(
     total = distributed.all_sum(aggregation_normaliser(rollout.completion_mask[part], algo.agg).double()).clamp(min=1)
     run.optimizer.zero_grad(set_to_none=True)
     sharded = is_sharded(run.model)
-    scale = loss_scale() if sharded else 1.0  # FSDP averages the ranks' gradients; these are to be summed
     micro, finite = [], True
     for where in pieces:
         idle, where = isinstance(where, Idle), pass_rows(where)
@@ -585,7 +583,7 @@ def _optimiser_step(
             (loss * 0.0).backward()  # FSDP: the other ranks wait in this pass's collectives; the step is dropped
             continue
         weight = (aggregation_normaliser(sub.completion_mask, algo.agg) / total).item()  # its exact share
-        (loss * (weight * scale)).backward()
+        (loss * weight).backward()
         micro.append((metrics, float(sub.completion_mask.sum()), weight))
     params = optimizer_parameters(run.optimizer)  # not the module's: a sharded root may hold gathered tensors
     for parameter in params:  # no row trained: a zero gradient still steps AdamW (momentum, weight decay),

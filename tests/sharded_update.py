@@ -2,10 +2,11 @@
 
 The first mini-batch's advantages are all 0, so no rank trains a row of it, while the second's are not:
 with the old logprobs recomputed first (a pass without backward), the first optimiser step then has no
-forward or backward pass at all.  The final parameters, gathered, go to argv[1] (torch.save, rank 0).
+forward or backward pass at all (unless algo.beta > 0: then its rows still train on the KL term, against
+a sharded reference).  The final parameters, gathered, go to argv[1] (torch.save, rank 0).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/sharded_update.py OUT RESULTS fsdp
-(the unsharded update: `crafted_update(results, "none")` in the test's own process)
+    python -m torch.distributed.run --nproc-per-node N tests/sharded_update.py OUT RESULTS fsdp [OVERRIDE ...]
+(the unsharded update: `crafted_update(results, "none", *overrides)` in the test's own process)
 """
 
 import sys
@@ -22,10 +23,10 @@ from atrctl.sharding import full_tensor  # noqa: E402
 from atrctl.train import build_run, rollout_step, update_step  # noqa: E402
 
 
-def crafted_update(results: Path, shard: str) -> dict | None:
+def crafted_update(results: Path, shard: str, *overrides: str) -> dict | None:
     """Build the run, sample step 0, update on the crafted advantages: rank 0's gathered weights, finite, loss."""
     with distributed.process_group(torch.device("cpu")):
-        run = build_run(test_sharding.recipe(f"model.shard={shard}"), results / "unused", results)
+        run = build_run(test_sharding.recipe(f"model.shard={shard}", *overrides), results / "unused", results)
         rollout, rewards, _ = rollout_step(run, 0)
         group = rewards.shape[1]
         sample = torch.arange(rewards.numel()) % group  # rows are prompt-major: row i is sample i % G of its prompt
@@ -37,8 +38,8 @@ def crafted_update(results: Path, shard: str) -> dict | None:
 
 
 if __name__ == "__main__":
-    out, results, shard = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    out, results, shard, *overrides = Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]
     torch.set_num_threads(1)
-    done = crafted_update(results, shard)
+    done = crafted_update(results, shard, *overrides)
     if done is not None:
         torch.save(done, out)

@@ -118,17 +118,26 @@ def single(results):
 
 
 @pytest.mark.slow
-def test_an_update_whose_first_minibatch_trains_no_row_matches_one_process(results, single, tmp_path):
-    """No rank has a pass in the first mini-batch, after the old logprobs' pass without backward."""
+@pytest.mark.parametrize(
+    ("processes", "overrides"),
+    [(2, ()), (3, ("rollout.prompts=6", "algo.beta=0.1"))],  # 6 prompts: 2 mini-batches × 3 ranks
+    ids=["2-processes", "3-processes-with-a-sharded-reference"],
+)
+def test_an_update_whose_first_minibatch_trains_no_row_matches_one_process(results, single, tmp_path, processes,
+                                                                           overrides):  # fmt: skip
+    """No rank has a pass in the first mini-batch, after the old logprobs' pass without backward (with
+    beta > 0 its rows train on the KL term alone, against a sharded reference).  3 processes: a process
+    count that is not a power of two, with its uneven split of every matrix over the ranks."""
     from sharded_update import crafted_update
 
     script = str(Path(__file__).parent / "sharded_update.py")
     env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script]
-    done = subprocess.run([*command, str(tmp_path / "fsdp"), str(results), "fsdp"], capture_output=True, text=True,
-                          env=env)  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", script]
+    done = subprocess.run([*command, str(tmp_path / "fsdp"), str(results), "fsdp", *overrides], capture_output=True,
+                          text=True, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    alone, sharded = crafted_update(results, "none"), torch.load(tmp_path / "fsdp", weights_only=True)
+    alone = crafted_update(results, "none", *overrides)
+    sharded = torch.load(tmp_path / "fsdp", weights_only=True)
     assert alone["finite"] and sharded["finite"]
     assert sharded["loss"] == pytest.approx(alone["loss"], abs=1e-6)
     assert_same_weights(alone["weights"], sharded["weights"])
