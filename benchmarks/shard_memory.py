@@ -44,7 +44,7 @@ def worker(args: argparse.Namespace) -> dict:
     from atrctl.adapters import add_adapters, lora_settings, trained_parameters
     from atrctl.forward import completion_logprobs_and_entropy
     from atrctl.rollout import Rollout
-    from atrctl.sharding import full_copy, local_part, loss_scale, shard_model
+    from atrctl.sharding import full_copy, local_part, shard_model
 
     torch.set_num_threads(max(1, 2 // distributed.world_size()))
     with distributed.process_group(torch.device("cpu")):
@@ -66,8 +66,7 @@ def worker(args: argparse.Namespace) -> dict:
         ones = torch.ones_like(completion)
         rollout = Rollout(prompt, torch.ones_like(prompt), completion, ones, torch.zeros(rows, args.completion))
         logp, _ = completion_logprobs_and_entropy(model, rollout, 1.0, entropy_grad=False)
-        scale = loss_scale() if args.config == "fsdp2" else 1.0
-        ((logp.sum() / ones.sum()) * scale).backward()
+        (logp.sum() / ones.sum()).backward()
         optimizer.step()
 
         def nbytes(tensors) -> float:
