@@ -14,7 +14,10 @@ What changes around the model, and why:
 - Sampling does not: a rank samples its prompts, and rank 0 alone runs the held-out checks, so a
   rollout cannot wait for the other ranks at every token.  The sampler keeps a full, unsharded copy of
   the policy (`GatheredSampler`), refreshed by one all-gather per parameter after each update: the
-  weights it samples are exactly the trained ones, at 4 bytes per parameter more per process.
+  weights it samples are exactly the trained ones.  Under bf16 autocast its linear layers' weights are
+  kept in bf16, the dtype autocast would cast them to anyway (the same rounding, so the same samples):
+  ~2 bytes per parameter more per process instead of 4.  The final model is gathered from the float32
+  shards, never taken from this copy.
 - FSDP averages gradients over ranks by default, while atrctl's loss is already scaled by the global
   normaliser, so the ranks' gradients are to be summed (`train._optimiser_step`): every unit reduces
   with a plain SUM (divide factor 1, sum-only collectives, which gloo and NCCL both have), exact for any N.
@@ -130,23 +133,41 @@ class GatheredSampler:
         self.backend.load_weights(self.full_copy)
 
 
-def full_copy(model: torch.nn.Module) -> torch.nn.Module:
+def full_copy(model: torch.nn.Module, autocast_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """An unsharded copy of `model`, taken before it is sharded (on the host, see `train.build_run`): what
-    `GatheredSampler` samples."""
+    `GatheredSampler` samples.  With `autocast_dtype` (the run's bf16 autocast) every linear layer's weight
+    and bias are stored in it: autocast casts them so before each product, so the copy computes exactly
+    what the float32 one would, in half its memory.  A weight tied to the input embedding stays float32
+    (the embedding's lookup is not cast); so do norms and everything else autocast leaves alone."""
     duplicate = copy.deepcopy(model)
     duplicate.requires_grad_(False)
+    if autocast_dtype is not None:
+        embedding = duplicate.get_input_embeddings().weight
+        for module in duplicate.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
+                module.to(autocast_dtype)
     return duplicate
+
+
+def gathered_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full float32 state dict of a sharded model on the CPU of rank 0, None on the others (a collective:
+    every rank calls it).  Tied entries (a head tied to the embedding) stay one tensor, as save_pretrained
+    expects of them."""
+    main = distributed.is_main()
+    weights, seen = {}, {}
+    for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves: ties visible
+        if id(tensor) not in seen:
+            whole = full_tensor(tensor.detach())
+            seen[id(tensor)] = whole.to("cpu").contiguous() if main else None
+        if main:
+            weights[name] = seen[id(tensor)]
+    return weights if main else None
 
 
 def full_contents(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """(full weights on the CPU, optimiser state in `optimizer.state_dict()`'s layout with full tensors) on
     rank 0, None on the others: one all-gather per tensor, every rank in the same order."""
-    main = distributed.is_main()
-    weights = {}
-    for name, tensor in model.state_dict().items():
-        whole = full_tensor(tensor.detach())
-        if main:
-            weights[name] = whole.to("cpu").contiguous()
+    main, weights = distributed.is_main(), gathered_weights(model)
     state = optimizer.state_dict()
     gathered = {}
     for index in sorted(state["state"]):
@@ -184,9 +205,9 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> 
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
-def memory_line(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+def memory_line(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampled: torch.nn.Module) -> str:
     """What this rank holds of the trained parameters, their gradients and AdamW's state, against the whole
-    (what one process holds unsharded), measured from the tensors themselves."""
+    (what one process holds unsharded), and the sampler's full copy (`sampled`), measured from the tensors."""
     params = optimizer_parameters(optimizer)
     tensors = [*params, *(p.grad for p in params if p.grad is not None)]
     tensors += [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
@@ -195,10 +216,10 @@ def memory_line(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str
     return (
         f"model.shard = fsdp over {distributed.world_size()} processes: rank {distributed.rank()} holds "
         f"{here / 2**20:.1f} MiB of parameters, gradients and AdamW state, {here / whole:.2f} of the "
-        f"{whole / 2**20:.1f} MiB each process would hold unsharded (+ {_bytes(params) / 2**20:.1f} MiB of "
-        "full float32 weights for sampling)"
+        f"{whole / 2**20:.1f} MiB each process would hold unsharded (+ {_bytes(sampled) / 2**20:.1f} MiB of "
+        "full weights for sampling)"
     )
 
 
-def _bytes(params: list[torch.Tensor]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())

@@ -70,6 +70,7 @@ from atrctl.sharding import (
     check_can_shard,
     full_copy,
     full_tensor,
+    gathered_weights,
     is_sharded,
     memory_line,
     optimizer_parameters,
@@ -247,7 +248,9 @@ def _loop(
                 raise TrainingStopped(_bad_steps_message(run, state)) from None
             state.step += 1
             if is_sharded(run.model) and main and on_notice is not None and not measured:
-                on_notice(memory_line(run.model, run.optimizer))  # after a step: gradients and moments exist
+                on_notice(
+                    memory_line(run.model, run.optimizer, run.sampler.full_copy)
+                )  # after a step: gradients and moments exist
                 measured = True
             if not finite:
                 _count_bad_step(state)
@@ -271,7 +274,8 @@ def _loop(
             if stopping and state.step < recipe.run.steps:  # after the last step: just finish
                 checkpoint()
                 raise KeyboardInterrupt
-    return _finish(run, state, base_eval, time.perf_counter() - started) if main else None
+    final = gathered_weights(run.model) if is_sharded(run.model) else None  # every rank: a collective
+    return _finish(run, state, base_eval, time.perf_counter() - started, final) if main else None
 
 
 class BadStepLimit(Exception):
@@ -368,8 +372,9 @@ def _saved_weights(run: Run) -> str:
     return f"the checkpoint in {last} (step {read_state(last).step}) holds the last good weights"
 
 
-def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dict:
-    """Save the final model in Hugging Face format with the headline figures."""
+def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float, gathered: dict | None) -> dict:
+    """Save the final model in Hugging Face format with the headline figures (a sharded model's from its
+    `gathered` float32 weights)."""
     summary = {
         "base": base_eval,
         "final": run.run_dir.last_eval(),
@@ -383,8 +388,9 @@ def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float) -> dic
     }
     if run.adapters is not None:
         run.run_dir.finish(lambda directory: write_final_model(run.adapters, directory), run.tokenizer, summary)
-    elif is_sharded(run.model):  # the sampler's full copy holds the final weights (it is refreshed after each update)
-        run.run_dir.finish(run.sampler.full_copy.save_pretrained, run.tokenizer, summary)
+    elif gathered is not None:  # written by the sampler's copy (an unsharded model), with the shards' weights
+        save = run.sampler.full_copy.save_pretrained
+        run.run_dir.finish(lambda directory: save(directory, state_dict=gathered), run.tokenizer, summary)
     else:
         run.run_dir.finish(run.model.save_pretrained, run.tokenizer, summary)
     return summary
@@ -761,7 +767,7 @@ def build_run(
     sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
     bf16 = compute.device.type == "cuda" and compute.autocast_enabled  # FSDP gathers in bf16 where it computes so
     if sharded:
-        sampled = full_copy(model).to(compute.device)
+        sampled = full_copy(model, compute.autocast_dtype).to(compute.device)
         shard_model(model, bf16)  # the shards move to the process's device
     reference = None
     if recipe.algo.beta > 0 and adapters is None:  # with adapters the reference is the base they sit on

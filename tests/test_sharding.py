@@ -1,4 +1,4 @@
-"""FSDP2 sharding (`model.shard = "fsdp"`) under torchrun with 2 gloo processes on the CPU.
+"""FSDP2 sharding (`model.shard = "fsdp"`) under torchrun with 2 (and once 3) gloo processes on the CPU.
 
 A sharded run must be the single-process run: the same losses, metrics and final weights up to float
 noise (the ranks' gradients are summed in another order), with ~1/2 of the trained state on each rank.
@@ -106,6 +106,30 @@ def test_a_sharded_run_in_one_process_is_refused_before_anything_is_written(tmp_
     assert not any(tmp_path.iterdir())
 
 
+def test_the_samplers_copy_under_bf16_autocast_holds_bf16_linears_and_computes_the_same_logits():
+    """Autocast casts a linear layer's float32 weight to bf16 before each product, so a copy that stores it in
+    bf16 computes the same logits, bit for bit, in half the memory; the tied embedding stays float32."""
+    from atrctl.models import build_char_tokenizer, build_model
+    from atrctl.sharding import full_copy
+
+    for arch in ("llama", "qwen2"):  # qwen2's q/k/v projections have biases
+        model = build_model("tiny", build_char_tokenizer(), arch=arch).eval()
+        copied = full_copy(model, torch.bfloat16)
+        linears = [m for m in copied.modules() if isinstance(m, torch.nn.Linear)]
+        embedding = copied.get_input_embeddings().weight
+        assert copied.get_output_embeddings().weight is embedding and embedding.dtype == torch.float32
+        stored = [p for m in linears if m.weight is not embedding for p in m.parameters()]
+        assert len(stored) > 10 and all(p.dtype == torch.bfloat16 for p in stored)
+        assert all(p.dtype == torch.float32 for n, p in copied.named_parameters() if "norm" in n)
+        assert not any(p.requires_grad for p in copied.parameters())
+        ids = torch.randint(4, model.config.vocab_size, (3, 12))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(copied(input_ids=ids).logits, model(input_ids=ids).logits)
+        assert torch.equal(
+            full_copy(model).model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight
+        )
+
+
 # ------------------------------------------------------------------ torchrun
 
 
@@ -120,8 +144,8 @@ def single(results):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("processes", "overrides"),
-    [(2, ()), (3, ("rollout.prompts=6", "algo.beta=0.1"))],  # 6 prompts: 2 mini-batches × 3 ranks
-    ids=["2-processes", "3-processes-with-a-sharded-reference"],
+    [(2, ()), (3, ("rollout.prompts=6", "algo.beta=0.1", "model.autocast=bfloat16"))],  # 6 prompts: 2 × 3 ranks
+    ids=["2-processes", "3-processes-bf16-with-a-sharded-reference"],
 )
 def test_an_update_whose_first_minibatch_trains_no_row_matches_one_process(results, single, tmp_path, processes,
                                                                            overrides):  # fmt: skip
@@ -145,8 +169,9 @@ def test_an_update_whose_first_minibatch_trains_no_row_matches_one_process(resul
 
 @pytest.mark.slow
 def test_a_sharded_run_matches_one_process_writes_from_rank_zero_and_resumes_anywhere(results, single):
-    """Step 1 sharded over 2 processes, step 2 resumed sharded (the same N), step 3 resumed in one process
-    without sharding (another N): the single-process run, step by step, to float noise."""
+    """Step 1 sharded over 2 processes, step 2 resumed in one process without sharding (another N), step 3
+    resumed sharded again, which saves the final model from the gathered shards: the single-process run,
+    step by step, to float noise."""
     directory = results / "sharded"
     done = torchrun("--name", directory.name, "--results", str(results), *cli_sets("model.shard=fsdp", "run.steps=1"))
     assert done.stdout.count("done:") == 1  # only rank 0 reports
@@ -154,17 +179,16 @@ def test_a_sharded_run_matches_one_process_writes_from_rank_zero_and_resumes_any
     line = re.search(r"rank 0 holds ([\d.]+) MiB .*?, ([\d.]+) of the ([\d.]+) MiB", done.stderr)
     assert line, done.stderr[-2000:]
     assert 0.45 < float(line.group(2)) < 0.55
-    set_in_config(directory, steps=2)
+    set_in_config(directory, shard='"none"', steps=2)
+    train(recipe("run.steps=2"), directory, results=results, resume=True)
+    set_in_config(directory, shard='"fsdp"', steps=3)
     torchrun("--resume", str(directory))
-    assert [r["step"] for r in records(directory)] == [1, 2]  # one writer, not one per rank
-    set_in_config(directory, shard='"none"', steps=3)
-    train(recipe("run.steps=3"), directory, results=results, resume=True)
 
     assert_same_weights(weights(single), weights(directory))
     files = {p.name for p in directory.iterdir()} - {"checkpoint.previous"}  # saved more than once: resumed
     assert files == {p.name for p in single.iterdir()}
     logged, alone = records(directory), records(single)
-    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert [r["step"] for r in logged] == [1, 2, 3]  # one writer, not one per rank
     assert any(0 < r["rows/skipped"] < 1 for r in alone)  # rows were skipped, and not all of them
     for ours, theirs in zip(logged, alone, strict=True):
         for key in ("reward/mean", "frac_zero_std", "len/mean", "rows/skipped"):
