@@ -90,16 +90,42 @@ def add_adapters(model: torch.nn.Module, settings: dict[str, Any], seed: int = 0
         return get_peft_model(model, config)
 
 
+def store_frozen_base(model: torch.nn.Module, dtype: torch.dtype | None) -> bool:
+    """Keep the frozen linear layers (the base under the adapters) in `dtype`, the run's bf16 autocast, where
+    that loses nothing: when every one of their values is a bf16 number already, as in checkpoints shipped
+    in bf16 (most hub models; atrctl loads them in float32, exactly).  Autocast casts them to bf16 before
+    every product anyway, so training computes the same numbers in half the base's memory.  A base with
+    float32 precision (a warmed-up preset, say) keeps it.  Returns whether the base was stored in `dtype`.
+    A layer whose weight is the input embedding's (a tied head) stays float32: the lookup is not cast."""
+    if dtype is None:
+        return False
+    embedding = model.get_input_embeddings().weight
+    frozen = [module for module in model.modules() if isinstance(module, torch.nn.Linear)
+              and module.weight is not embedding and not any(p.requires_grad for p in module.parameters())]  # fmt: skip
+    with torch.no_grad():
+        exact = all(torch.equal(p, p.to(dtype).to(p.dtype)) for module in frozen for p in module.parameters())
+    if not (frozen and exact):
+        return False
+    for module in frozen:
+        module.to(dtype)
+    return True
+
+
 def trains_adapters(model: torch.nn.Module) -> bool:
     """Whether `model` holds frozen weights beside trained ones (LoRA): a checkpoint then stores only these."""
     return any(not parameter.requires_grad for parameter in model.parameters())
 
 
 def adapter_line(model: torch.nn.Module) -> str:
-    """How much of the model trains, for the user to read at the start of a LoRA run."""
+    """How much of the model trains, and what the frozen base weighs, for the user to read at the start of a
+    LoRA run."""
     trained = sum(p.numel() for p in trained_parameters(model))
     total = sum(p.numel() for p in model.parameters())
-    return f"LoRA: {trained:,} of {total:,} parameters train ({trained / total:.2%}); the base stays frozen"
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    base_mib = sum(p.numel() * p.element_size() for p in frozen) / 2**20
+    stored = "bf16 where autocast casts it" if any(p.dtype == torch.bfloat16 for p in frozen) else "float32"
+    return (f"LoRA: {trained:,} of {total:,} parameters train ({trained / total:.2%}); the base stays frozen "
+            f"({base_mib:,.1f} MiB, {stored})")  # fmt: skip
 
 
 def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -115,6 +141,9 @@ def write_final_model(adapters, directory: Path) -> None:
     """The finished run's model/: the base with the adapters merged in (a plain transformers model, what
     `atrctl eval` and compare load) and, in model/adapter/, the adapters alone in peft's format
     (`PeftModel.from_pretrained(base, "model/adapter")`).  Merging changes the module in place: call it
-    when training is over."""
+    when training is over.  A base stored in bf16 (`store_frozen_base`) is merged in float32 on the host, as
+    an all-float32 run would: its values upcast exactly, and the merged model keeps the adapters' low bits."""
     adapters.save_pretrained(Path(directory) / "adapter")
+    if any(p.dtype != torch.float32 for p in adapters.parameters()):
+        adapters.to("cpu", torch.float32)
     adapters.merge_and_unload().save_pretrained(directory)

@@ -29,6 +29,7 @@ from atrctl.adapters import (
     add_adapters,
     lora_settings,
     reference_pass,
+    store_frozen_base,
     trained_parameters,
     write_final_model,
 )
@@ -763,6 +764,8 @@ def build_run(
     if recipe.model.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     adapters = add_adapters(model, lora, recipe.run.seed) if lora else None  # injected into `model` in place
+    if adapters is not None:  # under bf16 autocast a bf16-valued base is stored so: the same numbers, half its bytes
+        store_frozen_base(model, compute.autocast_dtype)
     model.train()
     sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
     bf16 = compute.device.type == "cuda" and compute.autocast_enabled  # FSDP gathers in bf16 where it computes so

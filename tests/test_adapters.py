@@ -10,7 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atrctl.adapters import LORA_DEFAULTS, add_adapters, check_targets, lora_settings, reference_pass
+from atrctl.adapters import (
+    LORA_DEFAULTS,
+    adapter_line,
+    add_adapters,
+    check_targets,
+    lora_settings,
+    reference_pass,
+    store_frozen_base,
+    write_final_model,
+)
 from atrctl.config import load_recipe, recipe_from_dict
 from atrctl.errors import UserError
 from atrctl.models import load_model
@@ -110,6 +119,61 @@ def test_only_the_adapters_train_and_they_start_as_the_base():
     assert not torch.allclose(model(input_ids=ids).logits, before)  # and back on after
 
 
+def bf16_valued_tiny():
+    """The tiny preset with every weight rounded to bf16, held in float32: a base as hub checkpoints ship."""
+    model, tokenizer = load_model("tiny", "cpu", "float32")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model, tokenizer
+
+
+def adapted(model):
+    """`model` with r = 4 adapters on every linear layer, perturbed from B = 0 by a fixed draw."""
+    wrapper = add_adapters(model, lora_settings({"r": 4}))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return wrapper
+
+
+def test_a_bf16_valued_base_is_stored_in_bf16_and_trains_the_same_numbers_under_autocast(tmp_path):
+    """Autocast casts the frozen float32 weights to bf16 before each product; stored in bf16 they compute the
+    same logits and the same adapter gradients, bit for bit, and the merged model is the float32 one."""
+    (plain, _), (stored, _) = bf16_valued_tiny(), bf16_valued_tiny()
+    plain_wrapper, stored_wrapper = adapted(plain), adapted(stored)
+    assert store_frozen_base(stored, torch.bfloat16)
+    embedding = stored.get_input_embeddings().weight
+    frozen = [p for n, p in stored.named_parameters() if not p.requires_grad and "base_layer" in n]
+    assert len(frozen) == 14 and all(p.dtype == torch.bfloat16 for p in frozen)  # 7 linear layers × 2
+    assert embedding.dtype == torch.float32 and stored.get_output_embeddings().weight is embedding  # tied head
+    assert "bf16 where autocast casts it" in adapter_line(stored) and "float32)" in adapter_line(plain)
+    ids = torch.randint(4, plain.config.vocab_size, (3, 10))
+    grads = []
+    for model in (plain, stored):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+        grads.append((logits.detach(), [p.grad for p in model.parameters() if p.requires_grad]))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1], strict=True))
+    for wrapper, name in ((plain_wrapper, "plain"), (stored_wrapper, "stored")):
+        write_final_model(wrapper, tmp_path / name)
+    merged = [load_file(tmp_path / name / "model.safetensors") for name in ("plain", "stored")]
+    assert merged[0].keys() == merged[1].keys()
+    assert all(merged[1][k].dtype == torch.float32 and torch.equal(merged[0][k], merged[1][k]) for k in merged[0])
+
+
+def test_a_base_with_float32_precision_or_a_run_without_autocast_keeps_float32():
+    model, _ = load_model("tiny", "cpu", "float32")  # fresh float32 weights: bf16 would round them
+    adapted(model)
+    assert not store_frozen_base(model, torch.bfloat16)
+    assert not store_frozen_base(bf16_valued_tiny()[0], None)  # no autocast: the weights' own dtype computes
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 # ------------------------------------------------------------------ runs
 
 
@@ -192,6 +256,29 @@ def test_a_kl_penalty_uses_the_base_under_the_adapters(results, monkeypatch):
     assert len(loaded) == 1  # the policy only: no second model for the reference
     kl = [r["kl/ref"] for r in records(directory)]
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-5  # the base itself at first, then apart
+
+
+@pytest.mark.slow
+def test_a_bf16_autocast_run_on_a_bf16_base_equals_the_run_that_keeps_the_base_in_float32(results, monkeypatch):
+    from atrctl import train as train_module
+
+    model, tokenizer = bf16_valued_tiny()
+    model.save_pretrained(results / "bf16-base")
+    tokenizer.save_pretrained(results / "bf16-base")
+    overrides = ("run.steps=2", f"model.base={results / 'bf16-base'}", "model.autocast=bfloat16", "algo.beta=0.1")
+    notices = []
+    train(recipe(*overrides), results / "bf16", results=results, on_notice=notices.append)
+    assert any("bf16 where autocast casts it" in line for line in notices)  # the base was stored in bf16
+    monkeypatch.setattr(train_module, "store_frozen_base", lambda *args: False)
+    train(recipe(*overrides), results / "float32", results=results)
+    timing = ("time/", "tokens_per_s")
+    for a, b in zip(records(results / "bf16"), records(results / "float32"), strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(timing)} == {
+            k: v for k, v in b.items() if not k.startswith(timing)
+        }
+    for name in ("checkpoint/model.safetensors", "model/model.safetensors"):  # adapters, and the merged model
+        ours, theirs = (load_file(results / run / name) for run in ("bf16", "float32"))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
 @pytest.mark.slow
