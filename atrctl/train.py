@@ -756,9 +756,11 @@ def build_run(
     # Master weights in float32, loaded as such (a float32 checkpoint read in bf16 would lose its low
     # bits; bf16 ones upcast exactly); the device's numerics decide whether bf16 autocast does the arithmetic.
     # A policy to shard is loaded on the host: its full copy for sampling is made there, and each process's
-    # accelerator then receives that copy and its own shards, never two whole models at once.
+    # accelerator then receives that copy and its own shards, never two whole models at once.  So is one
+    # that trains adapters: its base reaches the accelerator already in bf16 where it is stored so.
     sharded = recipe.model.shard == "fsdp"
-    model, tokenizer = load_model(str(base), "cpu" if sharded else recipe.model.device, "float32")
+    on_host = sharded or bool(lora)
+    model, tokenizer = load_model(str(base), "cpu" if on_host else recipe.model.device, "float32")
     width = getattr(model.config, "hidden_size", None)
     compute = numerics(resolve_device(recipe.model.device), policy=recipe.model.autocast, width=width)
     if recipe.model.gradient_checkpointing:
@@ -766,6 +768,7 @@ def build_run(
     adapters = add_adapters(model, lora, recipe.run.seed) if lora else None  # injected into `model` in place
     if adapters is not None:  # under bf16 autocast a bf16-valued base is stored so: the same numbers, half its bytes
         store_frozen_base(model, compute.autocast_dtype)
+        model.to(compute.device)
     model.train()
     sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
     bf16 = compute.device.type == "cuda" and compute.autocast_enabled  # FSDP gathers in bf16 where it computes so
