@@ -83,10 +83,9 @@ def add_adapters(model: torch.nn.Module, settings: dict[str, Any], seed: int = 0
         target_modules=settings["target_modules"],
         task_type="CAUSAL_LM",
     )
-    device = next(model.parameters()).device
-    with warnings.catch_warnings(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
         warnings.simplefilter("ignore", FutureWarning)  # peft asks the model a question transformers 5 renamed
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # peft draws A on the host; an accelerator's RNG is not touched
         return get_peft_model(model, config)
 
 
@@ -96,7 +95,9 @@ def store_frozen_base(model: torch.nn.Module, dtype: torch.dtype | None) -> bool
     in bf16 (most hub models; atrctl loads them in float32, exactly).  Autocast casts them to bf16 before
     every product anyway, so training computes the same numbers in half the base's memory.  A base with
     float32 precision (a warmed-up preset, say) keeps it.  Returns whether the base was stored in `dtype`.
-    A layer whose weight is the input embedding's (a tied head) stays float32: the lookup is not cast."""
+    A layer whose weight is the input embedding's (a tied head) stays float32: the lookup is not cast.
+    Every pass of such a model must then run under that autocast (train.py's all do): outside it, a float32
+    input meets a bf16 weight and the product fails on the dtypes."""
     if dtype is None:
         return False
     embedding = model.get_input_embeddings().weight
@@ -141,9 +142,8 @@ def write_final_model(adapters, directory: Path) -> None:
     """The finished run's model/: the base with the adapters merged in (a plain transformers model, what
     `atrctl eval` and compare load) and, in model/adapter/, the adapters alone in peft's format
     (`PeftModel.from_pretrained(base, "model/adapter")`).  Merging changes the module in place: call it
-    when training is over.  A base stored in bf16 (`store_frozen_base`) is merged in float32 on the host, as
-    an all-float32 run would: its values upcast exactly, and the merged model keeps the adapters' low bits."""
+    when training is over.  The merge runs in float32 on the host, whatever the device: a base stored in bf16
+    (`store_frozen_base`) upcasts exactly, so the merged model is the one a float32 base gives, to the bit."""
     adapters.save_pretrained(Path(directory) / "adapter")
-    if any(p.dtype != torch.float32 for p in adapters.parameters()):
-        adapters.to("cpu", torch.float32)
+    adapters.to("cpu", torch.float32)
     adapters.merge_and_unload().save_pretrained(directory)

@@ -138,7 +138,8 @@ def full_copy(model: torch.nn.Module, autocast_dtype: torch.dtype | None = None)
     `GatheredSampler` samples.  With `autocast_dtype` (the run's bf16 autocast) every linear layer's weight
     and bias are stored in it: autocast casts them so before each product, so the copy computes exactly
     what the float32 one would, in half its memory.  A weight tied to the input embedding stays float32
-    (the embedding's lookup is not cast); so do norms and everything else autocast leaves alone."""
+    (the embedding's lookup is not cast); so do norms and everything else autocast leaves alone.  The copy
+    then runs under that autocast only (the rollout backend's passes do): outside it the dtypes clash."""
     duplicate = copy.deepcopy(model)
     duplicate.requires_grad_(False)
     if autocast_dtype is not None:
