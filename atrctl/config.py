@@ -61,8 +61,8 @@ class ModelConfig:
     autocast: str = "auto"
     """bf16 autocast of the trained policy's sampling and update passes (the weights stay float32): "auto" =
     on a CUDA GPU with bf16, and on a CPU with native bf16 instructions (avx512_bf16 or amx_bf16) for models
-    at least 256 wide (without them bf16 products are emulated: 5.6x slower than float32 on this project's
-    CI CPU); "bfloat16" = always; "off" = float32 everywhere."""
+    at least 512 wide (narrower ones measured no faster there; without those instructions bf16 products are
+    emulated, 2-4x slower than float32); "bfloat16" = always; "off" = float32 everywhere."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: far less memory for ~30% more compute."""
     lora: dict[str, Any] = field(default_factory=dict)

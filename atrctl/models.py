@@ -215,10 +215,11 @@ def numerics(
     return Numerics(device, dtype, torch.bfloat16 if use and autocast else None)
 
 
-CPU_BF16_MIN_WIDTH = 256
-"""Narrower models stay float32 on CPU: their 64-wide products are too small for bf16 kernels to pay back
-the casts (and it keeps the tiny presets, the default run, exact).  Not yet measured on a bf16-native CPU:
-run benchmarks/cpu_bf16.py there."""
+CPU_BF16_MIN_WIDTH = 512
+"""Narrower models stay float32 on CPU.  Measured on an AVX-512-BF16 CPU (benchmarks/cpu_bf16.py, a step's
+sampling, old-logprob pass, update pass and AdamW step, float32 time / bf16 time): 0.62x at 64 wide (tiny),
+0.88x at 128, 1.03x [0.85, 1.07] at 256 (medium: no gain, and float32 reuses the sampler's logprobs
+exactly), 1.33x [1.22, 1.41] at 576 (SmolLM2-135M's shape).  The cut sits between the last two."""
 
 
 @functools.lru_cache(maxsize=1)

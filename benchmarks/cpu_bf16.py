@@ -5,13 +5,16 @@ Not a test.  For each model shape, one fixed batch (a GRPO group layout: `prompt
 completions `tokens` long) is run both ways in alternating pairs, in one process:
 - update: `completion_logprobs_and_entropy` forward + backward of the whole batch (float32 master weights;
   under autocast the matrix products run in bf16), seconds per pass;
-- sampling: `sample` of the same rows, seconds per call.
+- sampling: `sample` of the same rows, seconds per call;
+- step: what a training step does with these rows, timed phase by phase in the same pair: sampling, under
+  bf16 the old-logprob pass (atrctl recomputes them there; in float32 it reuses the sampler's), the update
+  pass and an AdamW step on the float32 master weights (lr 0, so the weights stay put).
 Ratios are float32 time / bf16 time within each pair (> 1: bf16 is faster): median [min, max] over pairs.
 Agreement, on the sampled batch: max and mean |Δ logprob| between the bf16 sampler (KV-cache decode) and the
 bf16 training pass (what an off-policy ratio would see if the sampler's logprobs were reused: atrctl
 recomputes them under bf16), and between the bf16 and the float32 training pass.
 
-    python benchmarks/cpu_bf16.py                              # tiny, medium, smollm2-135m
+    python benchmarks/cpu_bf16.py                              # tiny, small, medium, smollm2-135m
     python benchmarks/cpu_bf16.py --shapes medium --pairs 7
 """
 
@@ -68,6 +71,20 @@ def timed_sampling(model, prompts, group, tokens, bf16) -> float:
     return time.perf_counter() - started
 
 
+def old_logprob_pass(model, rollout) -> float:
+    """The no-grad bf16 pass that recomputes the ratio's denominator (float32 reuses the sampler's)."""
+    started = time.perf_counter()
+    with torch.no_grad(), autocast(True):
+        completion_logprobs_and_entropy(model, rollout, 1.0)
+    return time.perf_counter() - started
+
+
+def optimizer_step(optimizer) -> float:
+    started = time.perf_counter()
+    optimizer.step()
+    return time.perf_counter() - started
+
+
 def summary(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
 
@@ -85,26 +102,32 @@ def measure(name: str, args: argparse.Namespace) -> str:
     sampler_gap = (rollout.logprobs - trained_bf16)[mask].abs()
     dtype_gap = (trained_bf16 - trained_fp32)[mask].abs()
 
-    update, sampling, fp32_seconds = [], [], []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: timed, and the weights stay put
+    update, sampling, step, fp32_seconds = [], [], [], []
     for pair in range(args.warmup + args.pairs):
         order = (False, True) if pair % 2 == 0 else (True, False)
-        seconds = {bf16: update_pass(model, rollout, bf16) for bf16 in order}
-        drawn = {bf16: timed_sampling(model, prompts, args.group, args.tokens, bf16) for bf16 in order}
+        seconds, drawn, total = {}, {}, {}
+        for bf16 in order:
+            drawn[bf16] = timed_sampling(model, prompts, args.group, args.tokens, bf16)
+            recompute = old_logprob_pass(model, rollout) if bf16 else 0.0
+            seconds[bf16] = update_pass(model, rollout, bf16)
+            total[bf16] = drawn[bf16] + recompute + seconds[bf16] + optimizer_step(optimizer)
         if pair >= args.warmup:
             update.append(seconds[False] / seconds[True])
             sampling.append(drawn[False] / drawn[True])
-            fp32_seconds.append((seconds[False], drawn[False]))
-    update_s = statistics.median(s for s, _ in fp32_seconds)
-    sample_s = statistics.median(s for _, s in fp32_seconds)
+            step.append(total[False] / total[True])
+            fp32_seconds.append((seconds[False], drawn[False], total[False]))
+    update_s, sample_s, step_s = (statistics.median(column) for column in zip(*fp32_seconds, strict=True))
     return (
-        f"| {name} | {summary(update)} | {summary(sampling)} | {update_s:.3f} / {sample_s:.3f} | "
+        f"| {name} | {summary(update)} | {summary(sampling)} | {summary(step)} | "
+        f"{update_s:.3f} / {sample_s:.3f} / {step_s:.3f} | "
         f"{sampler_gap.max():.2e} / {sampler_gap.mean():.1e} | {dtype_gap.max():.2e} / {dtype_gap.mean():.1e} |"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["tiny", "medium", "smollm2-135m"])
+    parser.add_argument("--shapes", nargs="+", default=["tiny", "small", "medium", "smollm2-135m"])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=24)
@@ -118,10 +141,11 @@ def main() -> None:
         f"{threads} threads, {args.pairs} alternating pairs; ratio = float32 time / bf16 time"
     )
     print(
-        "| shape | update pass, fp32/bf16 | sampling, fp32/bf16 | fp32 seconds: update / sampling | "
+        "| shape | update pass, fp32/bf16 | sampling, fp32/bf16 | step, fp32/bf16 | "
+        "fp32 seconds: update / sampling / step | "
         "|Δlogp| bf16 sampler vs bf16 pass: max / mean | |Δlogp| bf16 vs fp32 pass: max / mean |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name in args.shapes:
         print(measure(name, args), flush=True)
 

@@ -14,11 +14,15 @@ per generation, runs an extra forward pass for it, and atrctl runs a group's sha
 Both are part of what is measured; the breakdown shows each phase.  atrctl's skipping of rows with
 advantage 0 is off unless --skip-zero-advantage: the fresh models here earn (almost) no reward, so it
 would skip the whole update, which says nothing about the engines.  TRL's phases come from its own
-timers: its "reward" leaves out decoding the completions, which atrctl's includes.
+timers: its "reward" leaves out decoding the completions, which atrctl's includes.  Both compute in the
+same dtype: `--autocast` is atrctl's model.autocast, and TRL gets bf16=True exactly where that resolves to
+bf16 (auto: a CUDA GPU, or a bf16-native CPU for models >= 512 wide); under bf16 atrctl recomputes the old
+logprobs as TRL does.
 TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 
     python benchmarks/vs_trl.py                         # tiny, default recipe batch, 5 pairs
     python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7
+    python benchmarks/vs_trl.py --preset medium --autocast off        # float32 on both, whatever the CPU
     python benchmarks/vs_trl.py --device cuda --preset qwen2.5-0.5b-shape --max-new-tokens 256   # bf16 on both
 """
 
@@ -54,6 +58,7 @@ def recipe_for(args: argparse.Namespace):
             f"algo.num_iterations={args.num_iterations}",
             f"run.steps={args.warmup + args.steps}",
             f"algo.skip_zero_advantage={str(args.skip_zero_advantage).lower()}",
+            f"model.autocast={args.autocast}",
         ],
     )
 
@@ -75,17 +80,18 @@ def atrctl_worker(args: argparse.Namespace) -> dict:
                     **{phase: record[f"time/{phase}"] for phase in PHASES},
                 }
             )
-    return {"steps": steps}
+    return {"steps": steps, "bf16": run.numerics.autocast_enabled}
 
 
 def trl_worker(args: argparse.Namespace) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
     from atrctl.divergence import trust_region
+    from atrctl.models import numerics
     from atrctl.tasks import get_task, problem_pool
     from atrctl.train import PROMPT_POOL, prompts_for_step
 
@@ -125,10 +131,12 @@ def trl_worker(args: argparse.Namespace) -> dict:
 
     low, high = trust_region(args.algo, **({"max_kl3": args.max_kl3} if args.algo == "atr" else {}))
     cuda = args.device == "cuda"
+    width = AutoConfig.from_pretrained(args.model_dir).hidden_size  # bf16 exactly where atrctl's policy puts it
+    bf16 = numerics(torch.device(args.device), policy=args.autocast, width=width).autocast_enabled
     config = GRPOConfig(
         output_dir=str(Path(args.scratch) / "trl-run"),
         use_cpu=not cuda,
-        bf16=cuda,
+        bf16=bf16,
         seed=recipe.run.seed,
         per_device_train_batch_size=args.prompts // args.minibatches * args.group_size,
         gradient_accumulation_steps=1,
@@ -175,7 +183,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
     steps = [{"seconds": s, "tokens": tokens[k + 1], **phases[k + 1]} for k, s in enumerate(seconds)]
     for step in steps:
         step["update"] = step["seconds"] - sum(step[phase] for phase in PHASES[:3])
-    return {"steps": steps[max(0, args.warmup - 1) :]}
+    return {"steps": steps[max(0, args.warmup - 1) :], "bf16": bf16}
 
 
 def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict:
@@ -234,7 +242,8 @@ def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
     print(
         f"\n{args.preset}, {args.prompts} prompts x {args.group_size}, max_new_tokens {args.max_new_tokens}, "
         f"{args.minibatches} mini-batches, mu {args.num_iterations}, loss {args.algo}, {args.threads} threads, "
-        f"{args.device}; {len(pairs)} pairs x {args.steps} steps (median [min, max] over pairs)"
+        f"{args.device}, bf16 autocast: atrctl {pairs[0]['atrctl']['bf16']}, TRL {pairs[0]['trl']['bf16']}; "
+        f"{len(pairs)} pairs x {args.steps} steps (median [min, max] over pairs)"
     )
     print(f"| {'':7} | {'steps/s':>20} | {'tokens/s':>26} |")
     print(f"|{'-' * 9}|{'-' * 22}|{'-' * 28}|")
@@ -272,6 +281,12 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--autocast",
+        default="auto",
+        choices=["auto", "bfloat16", "off"],
+        help="atrctl's model.autocast; TRL gets bf16=True exactly where it resolves to bf16, so both compute alike",
+    )
     parser.add_argument(
         "--skip-zero-advantage",
         action="store_true",
