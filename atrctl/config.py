@@ -135,8 +135,9 @@ class AlgoConfig:
     All but the first are off-policy (w != 1), which is where the trust region binds."""
     old_logprobs: str = "auto"
     """Where the sampling policy's logprobs (the ratio's denominator) come from: "sampler" keeps the ones the
-    rollout computed token by token (no extra forward pass); "recompute" runs a full no-grad forward pass
-    with the update's numerics; "auto" = the sampler's when the rollout backend says they match the training
+    rollout computed token by token (no extra forward pass); "recompute" runs a no-grad forward pass with
+    the update's numerics over every mini-batch but the first (whose own first pass, before any optimiser
+    step, gives its old logprobs); "auto" = the sampler's when the rollout backend says they match the training
     forward pass (the hf sampler in float32), else recompute (bf16 autocast, where the KV-cache decode and
     the full pass differ by more than float noise).  Only read when the update is off-policy (several
     mini-batches or μ > 1)."""

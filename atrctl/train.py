@@ -488,11 +488,11 @@ def update_step(
     pieces = [cut_micro_batches(run.model, rollout, trained_rows(algo, advantages, part), algo) for part in minibatches]
     if is_sharded(run.model):  # every rank takes as many passes as the busiest: each one is a collective
         pieces = lockstep(pieces, minibatches, run.device)
-    on_policy = is_on_policy(algo)
+    on_policy, recompute = is_on_policy(algo), recomputes_old_logprobs(algo, run.sampler)
     old_logp = ref_logp = None
     with clock("logprobs"), torch.no_grad(), run.numerics.autocast():
-        if recomputes_old_logprobs(algo, run.sampler):
-            old_logp = _logprobs(run.model, rollout, pieces, cfg.rollout.temperature)
+        if recompute:  # the first mini-batch's own first pass gives its old logprobs (`_optimiser_step`)
+            old_logp = _logprobs(run.model, rollout, pieces[1:], cfg.rollout.temperature)
         elif not on_policy:
             old_logp = rollout.logprobs  # [rows, T], the backend's own (it says they match)
         if run.reference is not None:
@@ -508,9 +508,12 @@ def update_step(
 
     collected, finite = [], True
     with clock("update"):
-        for _ in range(algo.num_iterations):
-            for part, micro in zip(minibatches, pieces, strict=True):
-                metrics = _optimiser_step(run, rollout, advantages, part, micro, old_logp, ref_logp, on_policy)
+        for iteration in range(algo.num_iterations):
+            for index, (part, micro) in enumerate(zip(minibatches, pieces, strict=True)):
+                # before the first optimiser step the policy is the one that sampled: a pass's own logprobs,
+                # detached, are the old ones, the same numbers a recomputing pass gets (tested)
+                own = on_policy or (recompute and iteration == index == 0)
+                metrics = _optimiser_step(run, rollout, advantages, part, micro, old_logp, ref_logp, own)
                 if metrics is None:
                     finite = False
                 else:
@@ -542,10 +545,12 @@ def _optimiser_step(
     pieces: list[torch.Tensor],
     old_logp,
     ref_logp,
-    on_policy: bool,
+    own_old_logprobs: bool,
 ) -> dict[str, float] | None:
     """Accumulate one mini-batch's gradient over its micro-batches (`pieces`: row indices of the rows it
-    trains on) and ranks, then step; None if skipped.
+    trains on) and ranks, then step; None if skipped.  With `own_old_logprobs` (the weights are still the
+    sampling policy's) the ratio's denominator is the pass's own logprobs, detached, and they are written
+    into `old_logp` (when the update keeps one) for the passes that follow.
 
     Each micro-batch's loss is weighted by its normaliser over the whole mini-batch's (summed over ranks,
     skipped rows included), so the summed gradient equals the single-process, whole-mini-batch gradient
@@ -568,9 +573,11 @@ def _optimiser_step(
         if idle:  # a sharded model's pass that keeps the ranks in step: its backward adds zeros
             (logp.sum() * 0.0).backward()
             continue
+        if own_old_logprobs and old_logp is not None:  # kept for this mini-batch's later passes (μ > 1)
+            old_logp[where, :width] = logp.detach()
         loss, metrics = policy_loss(
             logp,
-            logp.detach() if on_policy else old_logp[where, :width],
+            logp.detach() if own_old_logprobs else old_logp[where, :width],
             advantages[where],
             sub.completion_mask,
             algo=algo.loss,
@@ -870,7 +877,8 @@ def recomputes_old_logprobs(algo: AlgoConfig, sampler: RolloutBackend) -> bool:
 
     Only off-policy updates need old logprobs.  "auto" reuses the rollout's own when its backend says they
     match the training forward pass (the "hf" sampler in float32: to ~1e-6, tested), which saves a forward
-    pass over the whole batch.
+    pass over the whole batch.  A recomputing pass skips the first mini-batch: its first training pass runs
+    before any optimiser step, so its own logprobs are the old ones (`update_step`).
     """
     reuse = algo.old_logprobs == "sampler" or (algo.old_logprobs == "auto" and sampler.logprobs_match_training)
     return not is_on_policy(algo) and not reuse

@@ -53,11 +53,12 @@ def flop_parameters(model) -> int:
 
 def model_flops_per_step(run, generated: float, prompts: int, prompt_tokens: int) -> float:
     """Model FLOPs of one step as atrctl runs it: sampling (prefill once per prompt, one forward per
-    generated token), old logprobs when recomputed (a forward), and μ passes of forward + backward
-    (the prompt once per group)."""
+    generated token), old logprobs when recomputed (a forward of every mini-batch but the first), and μ
+    passes of forward + backward (the prompt once per group)."""
     n, tokens = flop_parameters(run.model), prompts * prompt_tokens + generated
-    recompute = recomputes_old_logprobs(run.recipe.algo, run.sampler)
-    return 2 * n * tokens * (1 + recompute) + 6 * n * tokens * run.recipe.algo.num_iterations
+    minibatches = run.recipe.algo.minibatches
+    recomputed = recomputes_old_logprobs(run.recipe.algo, run.sampler) * (minibatches - 1) / minibatches
+    return 2 * n * tokens * (1 + recomputed) + 6 * n * tokens * run.recipe.algo.num_iterations
 
 
 def measure(

@@ -159,3 +159,45 @@ def test_a_bf16_update_on_cpu_recomputes_old_logprobs_and_agrees_with_its_sample
     assert sampler_gap.max() < BF16_SAMPLER_GAP and 0 < bf16_gap.max() < BF16_SAMPLER_GAP  # bf16 did run
     metrics, finite = update_step(run, rollout, ONE_GROUP_SOLVED, 0)
     assert finite and metrics["ratio/min"] <= 1 <= metrics["ratio/max"]
+
+
+EVERY_ROW_ADVANTAGE = torch.linspace(-1.5, 1.5, 16)  # no row skipped: both mini-batches train every row
+
+
+@pytest.mark.parametrize(("autocast", "micro_batch", "minibatches"), [("off", 0, 2), ("bfloat16", 0, 2),
+                         ("off", 3, 2), ("bfloat16", 3, 2), ("bfloat16", 0, 1)])  # fmt: skip
+def test_recomputed_old_logprobs_skip_the_first_minibatch_whose_own_pass_gives_the_same_update(
+    results, monkeypatch, autocast, micro_batch, minibatches
+):
+    """Before the first optimiser step the policy is the sampling one, so the first mini-batch's training
+    pass gives its old logprobs itself: the no-grad pass runs over the other mini-batches only (none of one),
+    and the update (μ = 2: the first mini-batch's second pass reads what its first kept) is the one a full
+    no-grad pass gives, bit for bit, in float32 and under bf16 autocast."""
+    overrides = (f"model.autocast={autocast}", "algo.old_logprobs=recompute", f"algo.micro_batch={micro_batch}",
+                 f"algo.minibatches={minibatches}")  # fmt: skip
+    no_grad_rows, logprobs = [], train_module.completion_logprobs  # what the update's no-grad passes run on
+
+    def counted(model, rollout, temperature):
+        no_grad_rows.append(rollout.completion_ids.shape[0])
+        return logprobs(model, rollout, temperature)
+
+    monkeypatch.setattr(train_module, "completion_logprobs", counted)
+    new = Update(results, EVERY_ROW_ADVANTAGE, *overrides)
+    new_rows, no_grad_rows[:] = list(no_grad_rows), []
+    step = train_module._optimiser_step
+
+    def with_a_full_no_grad_pass(run, rollout, advantages, part, pieces, old_logp, ref_logp, own):
+        """The update as it was: the first mini-batch's old logprobs from a no-grad pass, before its step."""
+        if own:
+            with torch.no_grad(), run.numerics.autocast():
+                old_logp += train_module._logprobs(run.model, rollout, [pieces], run.recipe.rollout.temperature)
+        return step(run, rollout, advantages, part, pieces, old_logp, ref_logp, False)
+
+    monkeypatch.setattr(train_module, "_optimiser_step", with_a_full_no_grad_pass)
+    full = Update(results, EVERY_ROW_ADVANTAGE, *overrides, rollout=new.rollout)
+    rows = 16 // minibatches
+    each_minibatch = [rows] if micro_batch == 0 else [3] * (rows // 3) + [rows % 3]  # its micro-batches' rows
+    assert no_grad_rows == each_minibatch * minibatches  # the full pass, as it was
+    assert new_rows == each_minibatch * (minibatches - 1)  # all but the first mini-batch's
+    assert all(torch.equal(new.parameters[key], full.parameters[key]) for key in full.parameters)
+    assert new.metrics == full.metrics
