@@ -9,10 +9,12 @@ pass over it (forward + backward of logprobs, as `train._optimiser_step` runs it
 counted, not measured: 2 per multiply-add of every weight matrix per token (the output projection
 included), plus attention's q·k and p·v over the keys each token attends to; the update is 3 forward
 passes' worth (forward, and backward's two products) plus the chunked head's recomputation.  Peak memory
-is the process's peak RSS during each phase (the counter reset before it), weights included.
+is the process's peak RSS during each phase (the counter reset before it), weights included.  With
+--bf16 both run under bf16 autocast (float32 master weights, as `model.autocast` does on a bf16-native CPU
+for models >= 512 wide), against the peak of a bf16 product.
 
     python benchmarks/shapes.py                                   # tiny, medium, smollm2-135m, qwen2.5-0.5b
-    python benchmarks/shapes.py --shapes tiny --prompts 64 --tokens 64
+    python benchmarks/shapes.py --shapes smollm2-135m qwen2.5-0.5b --bf16   # on a bf16-native CPU
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ SIZES = {  # prompts, G, prompt tokens, new tokens: the default recipe's batch f
 }
 
 
-def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """GFLOP/s of one float32 [size, size] @ [size, size] product: what these cores reach at best."""
+def matmul_peak_gflops(size: int = 2048, repeats: int = 5, dtype=None) -> float:
+    """GFLOP/s of one [size, size] @ [size, size] product (float32 unless `dtype`): what these cores reach at
+    best."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     best = min(_seconds(lambda: a @ b) for _ in range(repeats))
     return 2 * size**3 / best / 1e9
@@ -63,9 +66,9 @@ def forward_flops(config, tokens: int, keys: float) -> float:
     return 2 * tokens * (matmul + attention)
 
 
-def worker(shape: str, repeats: int) -> dict:
+def worker(shape: str, repeats: int, bf16: bool) -> dict:
     import torch
-    from cpu_bf16 import draw, shape_model  # benchmarks/ is on sys.path
+    from cpu_bf16 import autocast, draw, shape_model  # benchmarks/ is on sys.path
     from update_memory import rss_mib
 
     from atrctl.batching import rows
@@ -75,20 +78,21 @@ def worker(shape: str, repeats: int) -> dict:
     from atrctl.train import cut_micro_batches
 
     threads = set_cpu_threads()
-    peak = matmul_peak_gflops()
+    peak = matmul_peak_gflops(dtype=torch.bfloat16 if bf16 else None)
     model = shape_model(shape).train()
     prompts, group, prompt_tokens, tokens = SIZES[shape]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, model.config.vocab_size, (prompts, prompt_tokens), generator=g).tolist()
 
     def rollout():
-        return draw(model, ids, group, tokens, bf16=False)
+        return draw(model, ids, group, tokens, bf16=bf16)
 
     def update(batch):
         model.zero_grad(set_to_none=True)
         for where in pieces:
             sub = rows(batch, where)
-            logp, _ = completion_logprobs_and_entropy(model, sub, 1.0, entropy_grad=False)
+            with autocast(bf16):
+                logp, _ = completion_logprobs_and_entropy(model, sub, 1.0, entropy_grad=False)
             (logp.sum() / batch.completion_mask.sum()).backward()
 
     batch = rollout()
@@ -128,16 +132,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SIZES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast, against a bf16 product's peak")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(RESULT + json.dumps(worker(args.worker, args.repeats)), flush=True)
+        print(RESULT + json.dumps(worker(args.worker, args.repeats, args.bf16)), flush=True)
         return
     print("| shape | params | batch (micro) | rollout tok/s | rollout GFLOP/s | update tok/s | update GFLOP/s "
           "| matmul peak GFLOP/s | peak RSS rollout / update |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         command = [sys.executable, __file__, "--worker", shape, "--repeats", str(args.repeats)]
+        command += ["--bf16"] if args.bf16 else []
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         r = json.loads(next(line for line in out.splitlines()[::-1] if line.startswith(RESULT))[len(RESULT) :])
         prompts, group, prompt_tokens, tokens = SIZES[shape]
