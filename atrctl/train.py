@@ -562,7 +562,7 @@ def _optimiser_step(
     run.optimizer.zero_grad(set_to_none=True)
     sharded = is_sharded(run.model)
     micro, finite = [], True
-    for where in pieces:
+    for index, where in enumerate(pieces):
         idle, where = isinstance(where, Idle), pass_rows(where)
         sub = trimmed(rows(rollout, where))  # the micro-batch: every [rows, ...] tensor indexed by `where`
         width = sub.completion_ids.shape[1]
@@ -593,6 +593,8 @@ def _optimiser_step(
         if not torch.isfinite(loss):
             finite = False
             if not sharded:
+                if own_old_logprobs and old_logp is not None:  # the later passes still need the rest's
+                    _fill_old_logprobs(run, rollout, pieces[index + 1 :], old_logp)
                 break
             (loss * 0.0).backward()  # FSDP: the other ranks wait in this pass's collectives; the step is dropped
             continue
@@ -617,6 +619,16 @@ def _optimiser_step(
     keys = list(micro[0][0]) if micro else _metric_names(run.recipe)  # the same on every rank
     measured = reduce_step_metrics(micro, keys, run.device)
     return {**measured, "rows/skipped": (skipped[0] / skipped[1]).item(), "grad_norm": grad_norm}
+
+
+def _fill_old_logprobs(run: Run, rollout: Rollout, pieces: list[torch.Tensor], old_logp: torch.Tensor) -> None:
+    """Write the old logprobs of `pieces`' rows into `old_logp`: a first pass that stopped at a non-finite
+    loss left them unwritten, and the weights are still the sampling ones (its step is dropped)."""
+    if pieces:
+        with torch.no_grad(), run.numerics.autocast():
+            filled = _logprobs(run.model, rollout, [pieces], run.recipe.rollout.temperature)
+        where = torch.cat(list(pieces))
+        old_logp[where] = filled[where]
 
 
 def cut_micro_batches(model: torch.nn.Module, rollout: Rollout, trained: torch.Tensor, algo: AlgoConfig):

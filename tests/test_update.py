@@ -201,3 +201,24 @@ def test_recomputed_old_logprobs_skip_the_first_minibatch_whose_own_pass_gives_t
     assert new_rows == each_minibatch * (minibatches - 1)  # all but the first mini-batch's
     assert all(torch.equal(new.parameters[key], full.parameters[key]) for key in full.parameters)
     assert new.metrics == full.metrics
+
+
+def test_a_first_pass_dropped_at_a_non_finite_loss_still_gives_every_row_its_old_logprobs(results, monkeypatch):
+    """The first mini-batch's first pass stops at its first micro-batch's NaN loss (the step is dropped); the
+    rows it did not reach get their old logprobs all the same, so its second pass (μ = 2) has ratios near 1
+    (|log w| < 0.1 after three AdamW steps of lr 1e-5; measured 0.04), not exp(logp - 0) (|log w| up to 5.4)."""
+    ratios, calls, loss = [], [], train_module.policy_loss
+
+    def first_is_nan(logp, old_logp, *args, **kwargs):
+        out = loss(logp, old_logp, *args, **kwargs)
+        calls.append(1)
+        mask = args[1].bool()
+        ratios.append((logp.detach() - old_logp)[mask].abs().max().item())
+        return (out[0] * float("nan"), out[1]) if len(calls) == 1 else out
+
+    run = build_run(recipe("algo.old_logprobs=recompute", "algo.micro_batch=3"), results / "unused", results)
+    rollout = rollout_step(run, 0)[0]
+    monkeypatch.setattr(train_module, "policy_loss", first_is_nan)  # after build_run's probe of the loss
+    _, finite = update_step(run, rollout, EVERY_ROW_ADVANTAGE, 0)
+    assert not finite and len(calls) == 1 + 3 + 3 + 3  # mini-batch 1 stopped after one micro-batch of three
+    assert max(ratios) < 0.1, ratios  # every pass read the old logprobs of its rows
