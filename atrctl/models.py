@@ -217,9 +217,10 @@ def numerics(
 
 CPU_BF16_MIN_WIDTH = 512
 """Narrower models stay float32 on CPU.  Measured on an AVX-512-BF16 CPU (benchmarks/cpu_bf16.py, a step's
-sampling, old-logprob pass, update pass and AdamW step, float32 time / bf16 time): 0.62x at 64 wide (tiny),
-0.88x at 128, 1.03x [0.85, 1.07] at 256 (medium: no gain, and float32 reuses the sampler's logprobs
-exactly), 1.33x [1.22, 1.41] at 576 (SmolLM2-135M's shape).  The cut sits between the last two."""
+sampling, old-logprob pass, update pass and AdamW step, float32 time / bf16 time): 0.67x at 64 wide (tiny),
+0.83x at 128, 1.15x [1.05, 1.19] at 256 (medium; its real training step, step_throughput.py --arms
+autocast: 1.05x [0.94, 1.18]), 1.40x [1.24, 1.79] at 576 (SmolLM2-135M's shape).  At 256 the gain is small
+and costs the exact reuse of the sampler's logprobs, so the cut sits between 256 and 576."""
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,8 +7,9 @@ completions `tokens` long) is run both ways in alternating pairs, in one process
   under autocast the matrix products run in bf16), seconds per pass;
 - sampling: `sample` of the same rows, seconds per call;
 - step: what a training step does with these rows, timed phase by phase in the same pair: sampling, under
-  bf16 the old-logprob pass (atrctl recomputes them there; in float32 it reuses the sampler's), the update
-  pass and an AdamW step on the float32 master weights (lr 0, so the weights stay put).
+  bf16 the old-logprob pass (atrctl recomputes them there, for all mini-batches but the first: (M-1)/M of
+  a pass over the batch, M = --minibatches; in float32 it reuses the sampler's), the update pass and a
+  fused AdamW step on the float32 master weights, as atrctl's (lr 0, so the weights stay put).
 Ratios are float32 time / bf16 time within each pair (> 1: bf16 is faster): median [min, max] over pairs.
 Agreement, on the sampled batch: max and mean |Δ logprob| between the bf16 sampler (KV-cache decode) and the
 bf16 training pass (what an off-policy ratio would see if the sampler's logprobs were reused: atrctl
@@ -71,12 +72,14 @@ def timed_sampling(model, prompts, group, tokens, bf16) -> float:
     return time.perf_counter() - started
 
 
-def old_logprob_pass(model, rollout) -> float:
-    """The no-grad bf16 pass that recomputes the ratio's denominator (float32 reuses the sampler's)."""
+def old_logprob_pass(model, rollout, minibatches: int) -> float:
+    """The no-grad bf16 pass that recomputes the ratio's denominator (float32 reuses the sampler's): timed
+    over the whole batch, counted for the (M-1)/M of it that atrctl runs (the first mini-batch's own
+    training pass gives its old logprobs)."""
     started = time.perf_counter()
     with torch.no_grad(), autocast(True):
         completion_logprobs_and_entropy(model, rollout, 1.0)
-    return time.perf_counter() - started
+    return (time.perf_counter() - started) * (minibatches - 1) / minibatches
 
 
 def optimizer_step(optimizer) -> float:
@@ -102,14 +105,14 @@ def measure(name: str, args: argparse.Namespace) -> str:
     sampler_gap = (rollout.logprobs - trained_bf16)[mask].abs()
     dtype_gap = (trained_bf16 - trained_fp32)[mask].abs()
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: timed, and the weights stay put
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)  # as atrctl's; lr 0: weights stay put
     update, sampling, step, fp32_seconds = [], [], [], []
     for pair in range(args.warmup + args.pairs):
         order = (False, True) if pair % 2 == 0 else (True, False)
         seconds, drawn, total = {}, {}, {}
         for bf16 in order:
             drawn[bf16] = timed_sampling(model, prompts, args.group, args.tokens, bf16)
-            recompute = old_logprob_pass(model, rollout) if bf16 else 0.0
+            recompute = old_logprob_pass(model, rollout, args.minibatches) if bf16 else 0.0
             seconds[bf16] = update_pass(model, rollout, bf16)
             total[bf16] = drawn[bf16] + recompute + seconds[bf16] + optimizer_step(optimizer)
         if pair >= args.warmup:
@@ -132,6 +135,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=24)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--minibatches", type=int, default=4, help="algo.minibatches: the step's share of the pass")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()

@@ -5,10 +5,12 @@ preset saved as an ordinary model directory (no warm-up: untrained models emit c
 max_new_tokens, the worst case for sampling), with the default recipe's batch.  For each preset an
 atr run and a grpo run take their steps in turn, in the same process, so step k of one is paired
 with step k of the other under the same machine conditions; the atr/grpo ratio is the median of
-the paired ratios, with its 2.5-97.5% range over pairs.
+the paired ratios, with its 2.5-97.5% range over pairs.  `--arms autocast` pairs float32 against bf16
+autocast instead (same loss, atr): the choice `model.autocast = auto` makes on a bf16-native CPU.
 
     python benchmarks/step_throughput.py                      # tiny and medium, 2 threads
     python benchmarks/step_throughput.py --presets tiny --steps 60
+    python benchmarks/step_throughput.py --arms autocast      # bf16 / float32 step time
 """
 
 from __future__ import annotations
@@ -26,30 +28,28 @@ from atrctl.config import load_recipe
 from atrctl.models import set_cpu_threads
 from atrctl.train import STEP_PHASES, build_run, train_step
 
-LOSSES = ("grpo", "atr")
+ARMS = {  # the two arms of a comparison, and the recipe overrides that make each; the ratio is second / first
+    "losses": {"grpo": ["algo.loss=grpo"], "atr": ["algo.loss=atr"]},
+    "autocast": {"float32": ["model.autocast=off"], "bf16": ["model.autocast=bfloat16"]},
+}
 
 
-def measure(model_dir: Path, scratch: Path, steps: int, warmup: int) -> dict[str, list[dict]]:
-    """Each loss's step records, steps alternating between the losses (which goes first alternates too)."""
+def measure(model_dir: Path, scratch: Path, steps: int, warmup: int, arms: dict) -> dict[str, list[dict]]:
+    """Each arm's step records, steps alternating between the arms (which goes first alternates too)."""
     runs = {}
-    for loss in LOSSES:
+    for name, overrides in arms.items():
         recipe = load_recipe(
             "recipes/default.toml",
-            [
-                f"model.base={model_dir}",
-                f"algo.loss={loss}",
-                "model.device=cpu",
-                EVERY_ROW,
-                f"run.steps={warmup + steps}",
-            ],
+            [f"model.base={model_dir}", "model.device=cpu", EVERY_ROW, f"run.steps={warmup + steps}", *overrides],
         )
-        runs[loss] = build_run(recipe, scratch / f"{model_dir.name}-{loss}", scratch)
-    records = {loss: [] for loss in runs}
+        runs[name] = build_run(recipe, scratch / f"{model_dir.name}-{name}", scratch)
+    names = list(runs)
+    records = {name: [] for name in names}
     for step in range(warmup + steps):
-        for loss in LOSSES if step % 2 == 0 else LOSSES[::-1]:
-            record, _ = train_step(runs[loss], TrainState(step=step))
+        for name in names if step % 2 == 0 else names[::-1]:
+            record, _ = train_step(runs[name], TrainState(step=step))
             if step >= warmup:
-                records[loss].append(record)
+                records[name].append(record)
     return records
 
 
@@ -61,23 +61,24 @@ def quantile(values: list[float], q: float) -> float:
 def report(preset: str, records: dict[str, list[dict]]) -> None:
     print(f"\n{preset}")
     print(
-        f"  {'loss':5} {'steps/s':>8} {'gen tok/s':>10} "
+        f"  {'arm':7} {'steps/s':>8} {'gen tok/s':>10} "
         + " ".join(f"{p:>9}" for p in STEP_PHASES)
         + f" {'other':>9}  (mean ms per step)"
     )
-    for loss, rows in records.items():
+    for name, rows in records.items():
         step_s = statistics.median(r["time/step"] for r in rows)
         phases = [statistics.fmean(r[f"time/{p}"] for r in rows) for p in STEP_PHASES]
         other = statistics.fmean(r["time/step"] for r in rows) - sum(phases)
         generated = sum(r["tokens_per_s"] * r["time/step"] for r in rows) / sum(r["time/step"] for r in rows)
         print(
-            f"  {loss:5} {1 / step_s:8.2f} {generated:10.0f} "
+            f"  {name:7} {1 / step_s:8.2f} {generated:10.0f} "
             + " ".join(f"{p * 1e3:9.1f}" for p in phases)
             + f" {other * 1e3:9.1f}"
         )
-    ratios = [a["time/step"] / g["time/step"] for a, g in zip(records["atr"], records["grpo"], strict=True)]
+    first, second = records
+    ratios = [b["time/step"] / a["time/step"] for a, b in zip(records[first], records[second], strict=True)]
     print(
-        f"  atr / grpo step time: median {statistics.median(ratios):.3f} over {len(ratios)} paired steps "
+        f"  {second} / {first} step time: median {statistics.median(ratios):.3f} over {len(ratios)} paired steps "
         f"[{quantile(ratios, 0.025):.3f}, {quantile(ratios, 0.975):.3f}]"
     )
 
@@ -85,7 +86,8 @@ def report(preset: str, records: dict[str, list[dict]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["tiny", "medium"])
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per (preset, loss)")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per (preset, arm)")
+    parser.add_argument("--arms", choices=list(ARMS), default="losses", help="what the two arms differ in")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -97,7 +99,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         for preset in args.presets:
-            report(preset, measure(save_model(preset, scratch), scratch, args.steps, args.warmup))
+            report(preset, measure(save_model(preset, scratch), scratch, args.steps, args.warmup, ARMS[args.arms]))
 
 
 if __name__ == "__main__":

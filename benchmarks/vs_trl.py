@@ -17,7 +17,7 @@ would skip the whole update, which says nothing about the engines.  TRL's phases
 timers: its "reward" leaves out decoding the completions, which atrctl's includes.  Both compute in the
 same dtype: `--autocast` is atrctl's model.autocast, and TRL gets bf16=True exactly where that resolves to
 bf16 (auto: a CUDA GPU, or a bf16-native CPU for models >= 512 wide); under bf16 atrctl recomputes the old
-logprobs as TRL does.
+logprobs too, for all mini-batches but the first (whose own first pass gives them).
 TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 
     python benchmarks/vs_trl.py                         # tiny, default recipe batch, 5 pairs
