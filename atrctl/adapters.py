@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from atrctl.errors import UserError
+from atrctl.models import linears_autocast_casts
 
 LORA_DEFAULTS: dict[str, Any] = {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
 """The parameters of `model.lora`; a table names only those it changes.  "all-linear" is peft's: every
@@ -100,9 +101,7 @@ def store_frozen_base(model: torch.nn.Module, dtype: torch.dtype | None) -> bool
     input meets a bf16 weight and the product fails on the dtypes."""
     if dtype is None:
         return False
-    embedding = model.get_input_embeddings().weight
-    frozen = [module for module in model.modules() if isinstance(module, torch.nn.Linear)
-              and module.weight is not embedding and not any(p.requires_grad for p in module.parameters())]  # fmt: skip
+    frozen = [layer for layer in linears_autocast_casts(model) if not any(p.requires_grad for p in layer.parameters())]
     with torch.no_grad():
         exact = all(torch.equal(p, p.to(dtype).to(p.dtype)) for module in frozen for p in module.parameters())
     if not (frozen and exact):

@@ -223,6 +223,17 @@ autocast: 1.05x [0.94, 1.18]), 1.40x [1.24, 1.79] at 576 (SmolLM2-135M's shape).
 and costs the exact reuse of the sampler's logprobs, so the cut sits between 256 and 576."""
 
 
+def linears_autocast_casts(model) -> list:
+    """The nn.Linear layers whose weights bf16 autocast casts before every product, so that storing them in
+    bf16 changes no number: every one but a head tied to the input embedding (the embedding's lookup is not
+    cast, and the tie must hold).  What `sharding.full_copy` and `adapters.store_frozen_base` store in bf16."""
+    import torch
+
+    embedding = model.get_input_embeddings().weight
+    return [module for module in model.modules()
+            if isinstance(module, torch.nn.Linear) and module.weight is not embedding]  # fmt: skip
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (the avx512_bf16 or amx_bf16 flag of /proc/cpuinfo)."""

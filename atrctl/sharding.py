@@ -33,6 +33,7 @@ import torch
 
 from atrctl import distributed
 from atrctl.errors import UserError
+from atrctl.models import linears_autocast_casts
 
 
 def check_can_shard(shard: str, world: int, lora: bool) -> None:
@@ -143,10 +144,8 @@ def full_copy(model: torch.nn.Module, autocast_dtype: torch.dtype | None = None)
     duplicate = copy.deepcopy(model)
     duplicate.requires_grad_(False)
     if autocast_dtype is not None:
-        embedding = duplicate.get_input_embeddings().weight
-        for module in duplicate.modules():
-            if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
-                module.to(autocast_dtype)
+        for module in linears_autocast_casts(duplicate):
+            module.to(autocast_dtype)
     return duplicate
 
 
