@@ -66,9 +66,10 @@ def update_pass(model, rollout, bf16: bool) -> float:
     return time.perf_counter() - started
 
 
-def timed_sampling(model, prompts, group, tokens, bf16) -> float:
+def seconds(work) -> float:
+    """Wall-clock seconds of one call of `work`."""
     started = time.perf_counter()
-    draw(model, prompts, group, tokens, bf16)
+    work()
     return time.perf_counter() - started
 
 
@@ -76,16 +77,12 @@ def old_logprob_pass(model, rollout, minibatches: int) -> float:
     """The no-grad bf16 pass that recomputes the ratio's denominator (float32 reuses the sampler's): timed
     over the whole batch, counted for the (M-1)/M of it that atrctl runs (the first mini-batch's own
     training pass gives its old logprobs)."""
-    started = time.perf_counter()
-    with torch.no_grad(), autocast(True):
-        completion_logprobs_and_entropy(model, rollout, 1.0)
-    return (time.perf_counter() - started) * (minibatches - 1) / minibatches
 
+    def recompute():
+        with torch.no_grad(), autocast(True):
+            completion_logprobs_and_entropy(model, rollout, 1.0)
 
-def optimizer_step(optimizer) -> float:
-    started = time.perf_counter()
-    optimizer.step()
-    return time.perf_counter() - started
+    return seconds(recompute) * (minibatches - 1) / minibatches
 
 
 def summary(ratios: list[float]) -> str:
@@ -109,17 +106,17 @@ def measure(name: str, args: argparse.Namespace) -> str:
     update, sampling, step, fp32_seconds = [], [], [], []
     for pair in range(args.warmup + args.pairs):
         order = (False, True) if pair % 2 == 0 else (True, False)
-        seconds, drawn, total = {}, {}, {}
+        updated, drawn, total = {}, {}, {}
         for bf16 in order:
-            drawn[bf16] = timed_sampling(model, prompts, args.group, args.tokens, bf16)
+            drawn[bf16] = seconds(lambda bf16=bf16: draw(model, prompts, args.group, args.tokens, bf16))
             recompute = old_logprob_pass(model, rollout, args.minibatches) if bf16 else 0.0
-            seconds[bf16] = update_pass(model, rollout, bf16)
-            total[bf16] = drawn[bf16] + recompute + seconds[bf16] + optimizer_step(optimizer)
+            updated[bf16] = update_pass(model, rollout, bf16)
+            total[bf16] = drawn[bf16] + recompute + updated[bf16] + seconds(optimizer.step)
         if pair >= args.warmup:
-            update.append(seconds[False] / seconds[True])
+            update.append(updated[False] / updated[True])
             sampling.append(drawn[False] / drawn[True])
             step.append(total[False] / total[True])
-            fp32_seconds.append((seconds[False], drawn[False], total[False]))
+            fp32_seconds.append((updated[False], drawn[False], total[False]))
     update_s, sample_s, step_s = (statistics.median(column) for column in zip(*fp32_seconds, strict=True))
     return (
         f"| {name} | {summary(update)} | {summary(sampling)} | {summary(step)} | "

@@ -24,7 +24,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 RESULT = "RESULT "
@@ -40,17 +39,12 @@ def matmul_peak_gflops(size: int = 2048, repeats: int = 5, dtype=None) -> float:
     """GFLOP/s of one [size, size] @ [size, size] product (float32 unless `dtype`): what these cores reach at
     best."""
     import torch
+    from cpu_bf16 import seconds  # benchmarks/ is on sys.path
 
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
-    best = min(_seconds(lambda: a @ b) for _ in range(repeats))
+    best = min(seconds(lambda: a @ b) for _ in range(repeats))
     return 2 * size**3 / best / 1e9
-
-
-def _seconds(work) -> float:
-    started = time.perf_counter()
-    work()
-    return time.perf_counter() - started
 
 
 def forward_flops(config, tokens: int, keys: float) -> float:
@@ -68,7 +62,7 @@ def forward_flops(config, tokens: int, keys: float) -> float:
 
 def worker(shape: str, repeats: int, bf16: bool) -> dict:
     import torch
-    from cpu_bf16 import autocast, draw, shape_model  # benchmarks/ is on sys.path
+    from cpu_bf16 import autocast, draw, seconds, shape_model  # benchmarks/ is on sys.path
     from update_memory import rss_mib
 
     from atrctl.batching import rows
@@ -99,10 +93,10 @@ def worker(shape: str, repeats: int, bf16: bool) -> dict:
     pieces = cut_micro_batches(model, batch, torch.arange(prompts * group), AlgoConfig())  # as the update cuts
     update(batch)  # the unmeasured round
     Path("/proc/self/clear_refs").write_text("5")
-    sample_s = statistics.median(_seconds(rollout) for _ in range(repeats))
+    sample_s = statistics.median(seconds(rollout) for _ in range(repeats))
     sample_peak = rss_mib("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")
-    update_s = statistics.median(_seconds(lambda: update(batch)) for _ in range(repeats))
+    update_s = statistics.median(seconds(lambda: update(batch)) for _ in range(repeats))
     update_peak = rss_mib("VmHWM")
 
     config, rows_total = model.config, prompts * group
