@@ -248,10 +248,8 @@ def _loop(
                 checkpoint()
                 raise TrainingStopped(_bad_steps_message(run, state)) from None
             state.step += 1
-            if is_sharded(run.model) and main and on_notice is not None and not measured:
-                on_notice(
-                    memory_line(run.model, run.optimizer, run.sampler.full_copy)
-                )  # after a step: gradients and moments exist
+            if is_sharded(run.model) and main and on_notice is not None and not measured:  # gradients, moments exist
+                on_notice(memory_line(run.model, run.optimizer, run.sampler.full_copy))
                 measured = True
             if not finite:
                 _count_bad_step(state)
