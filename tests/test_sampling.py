@@ -348,3 +348,66 @@ def test_cpu_decode_attention_equals_sdpa(tokenizer, prompts, monkeypatch, kv_he
     theirs = run(model, tokenizer, prompts, repeats=2, max_new_tokens=10)
     assert torch.equal(ours.completion_ids, theirs.completion_ids)
     torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------- finished rows leave the batch
+
+
+def batch_sizes(model):
+    """A forward hook's record of how many rows each call of `model` runs."""
+    seen = []
+    return seen, model.register_forward_hook(lambda module, args, kwargs, out: seen.append(len(kwargs["input_ids"])),
+                                             with_kwargs=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"temperature": 0.7, "top_p": 0.9}, {"repeats": 3}, {"greedy": True}, {"eos_id": [2, 9]}]
+)
+def test_finished_rows_leave_the_batch_without_changing_the_samples(model, tokenizer, prompts, kwargs):
+    """Dropping ended rows keeps every row's tokens (the CPU draws each row's uniform from the whole batch's)
+    and logprobs; the decode steps run on fewer rows, never carrying more than COMPACT_AT of them ended."""
+    from atrctl.sampling import COMPACT_AT
+
+    kwargs = {"eos_id": tokenizer.eos_token_id, **kwargs}
+    prompts = prompts * 4
+    with eos_bias(model, tokenizer, 1.5):  # sampled or greedy, rows end at different steps
+        seen, hook = batch_sizes(model)
+        try:
+            compacted = sample(model, prompts, max_new_tokens=24, pad_id=tokenizer.pad_token_id,
+                               generator=torch.Generator().manual_seed(3), **kwargs)  # fmt: skip
+        finally:
+            hook.remove()
+        kept = sample(model, prompts, max_new_tokens=24, pad_id=tokenizer.pad_token_id,
+                      generator=torch.Generator().manual_seed(3), compact=False, **kwargs)  # fmt: skip
+    assert torch.equal(compacted.completion_ids, kept.completion_ids)
+    assert torch.equal(compacted.completion_mask, kept.completion_mask)
+    # a matrix product over fewer rows rounds its last bits differently (2e-6 seen): float32 noise on ~3 nats
+    torch.testing.assert_close(compacted.logprobs, kept.logprobs, atol=1e-5, rtol=0)
+    rows, lengths = compacted.completion_ids.shape[0], compacted.completion_mask.sum(1)
+    assert seen[0] == len(prompts)  # the prefill, once per prompt
+    still = [int((lengths > step).sum()) for step in range(1, compacted.completion_ids.shape[1])]
+    for step, (batch, decoding) in enumerate(zip(seen[1:], still, strict=True), start=1):
+        assert decoding <= batch and batch - decoding < COMPACT_AT * batch, (step, batch, decoding)
+    assert seen[-1] < rows  # the batch did shrink
+
+
+def test_the_cache_drops_rows_as_a_cache_rebuilt_from_those_rows(model, tokenizer, prompts):
+    """PreallocatedLayer.batch_select_indices moves the kept rows' filled positions to the front: the next
+    step's logits equal those of a batch that only ever held the kept rows."""
+    from atrctl.sampling import preallocated_cache
+
+    ids, mask = (torch.tensor([[5, 6, 7, 8]] * 4) + torch.arange(4)[:, None]), torch.ones(4, 4, dtype=torch.long)
+    keep = torch.tensor([1, 3])
+    with torch.inference_mode():
+        cache = preallocated_cache(model, capacity=8)
+        model(input_ids=ids, attention_mask=mask, cache=cache)
+        cache.batch_select_indices(keep)
+        step = torch.tensor([[9], [10]])
+        after = model(input_ids=step, attention_mask=torch.ones(2, 5, dtype=torch.long),
+                      position_ids=torch.tensor([[4], [4]]), cache=cache).logits[:, -1]  # fmt: skip
+        fresh = preallocated_cache(model, capacity=8)
+        model(input_ids=ids[keep], attention_mask=mask[keep], cache=fresh)
+        direct = model(input_ids=step, attention_mask=torch.ones(2, 5, dtype=torch.long),
+                       position_ids=torch.tensor([[4], [4]]), cache=fresh).logits[:, -1]  # fmt: skip
+    assert cache.get_seq_length() == 5
+    torch.testing.assert_close(after, direct, atol=1e-6, rtol=0)
