@@ -11,9 +11,14 @@ data-parallel run and a single-process run can be checked to cut the same batch 
   chunk's generator is seeded by (run seed, step, first position), so the sampled tokens are a pure
   function of the chunk: identical at every world size where each rank's run per mini-batch,
   P/(M·W), is a multiple of the chunk size (no generator state to checkpoint either).
+- A micro-batch is a set of rows of one mini-batch, cut longest completion first (`micro_batches`): its
+  forward pass runs to its longest row, and the loss weights make any cut give the same gradient.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 
@@ -50,12 +55,58 @@ def parts(rows: int, count: int) -> list[slice]:
     return [slice(i * size, (i + 1) * size) for i in range(count)]
 
 
-def micro_batches(indices: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
-    """Row indices (e.g. the rows of a mini-batch the update trains on) in consecutive pieces of at most
-    `micro_batch` (0 = one piece); none for no rows."""
+def micro_batches(
+    indices: torch.Tensor,
+    micro_batch: int,
+    lengths: torch.Tensor | None = None,
+    rows_at: Callable[[int], int] | None = None,
+    pass_tokens: float = 0.0,
+) -> list[torch.Tensor]:
+    """Row indices (e.g. the rows of a mini-batch the update trains on) in pieces of at most `micro_batch`
+    (0 = one piece); none for no rows.
+
+    With `lengths` (each row's completion length, indexed by row) the rows are taken longest first: a
+    piece is computed up to its longest row, so rows of similar length padded together waste less (SmolLM2's
+    replies run from 5 to 256 tokens).  `rows_at(length)` instead caps each piece at what the memory budget
+    holds at its longest row, and the cut is the one that computes the fewest tokens (`least_padding_cut`,
+    `pass_tokens` being a pass's fixed cost).  Each piece keeps its rows in their order, so a group's rows stay
+    adjacent and share their prompt's pass (`forward._completion_outputs`).
+    """
     if len(indices) == 0:
         return []
-    return list(indices.split(micro_batch or len(indices)))
+    if lengths is None:
+        return list(indices.split(micro_batch or len(indices)))
+    order = indices[torch.argsort(lengths[indices], descending=True, stable=True)]
+    if rows_at is None:
+        pieces = order.split(micro_batch or len(order))
+    else:
+        pieces = order.split(least_padding_cut(lengths[order].tolist(), rows_at, pass_tokens))
+    return [piece.sort().values for piece in pieces]
+
+
+def least_padding_cut(longest_first: list[int], rows_at: Callable[[int], int], pass_tokens: float) -> list[int]:
+    """Sizes of the consecutive pieces of `longest_first` (lengths, descending) whose passes compute the
+    fewest tokens: a piece costs its rows × its first row's length, plus `pass_tokens` (the fixed cost of
+    a pass, in tokens' worth of its work), and holds at most rows_at(that length) rows.
+
+    Exact, by dynamic programming over where each piece starts (rows × largest piece steps).  A huge
+    `pass_tokens` gives the fewest pieces the caps allow, padded as little as that count can be.
+    """
+    rows = len(longest_first)
+    best, start = [0.0] + [math.inf] * rows, [0] * (rows + 1)  # best[j]: the cheapest cut of the first j rows
+    caps: dict[int, int] = {}
+    for first in range(rows):
+        width = longest_first[first]
+        cap = caps.setdefault(width, max(1, rows_at(width)))
+        for size in range(1, min(cap, rows - first) + 1):
+            cost = best[first] + pass_tokens + size * width
+            if cost < best[first + size]:
+                best[first + size], start[first + size] = cost, first
+    sizes, end = [], rows
+    while end:
+        sizes.append(end - start[end])
+        end = start[end]
+    return sizes[::-1]
 
 
 def rows(rollout: Rollout, where: slice | torch.Tensor) -> Rollout:

@@ -5,8 +5,11 @@ summing their gradients, must give the single-process optimiser steps up to floa
 runs start two Python processes each, so this module takes about a minute on 2 CPU cores.
 """
 
+import itertools
 import json
+import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,7 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atrctl.batching import concat_rollouts, micro_batches, parts, rank_positions, rollout_seed, sampling_chunks
+from atrctl.batching import (
+    concat_rollouts,
+    least_padding_cut,
+    micro_batches,
+    parts,
+    rank_positions,
+    rollout_seed,
+    sampling_chunks,
+)
 from atrctl.config import load_recipe
 from atrctl.errors import UserError
 from atrctl.losses import aggregation_normaliser
@@ -88,6 +99,50 @@ def test_micro_batches_cover_the_rows():
     assert [p.tolist() for p in pieces] == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13]]
     assert [p.tolist() for p in micro_batches(torch.arange(6), 0)] == [list(range(6))]
     assert micro_batches(torch.arange(0), 3) == []
+
+
+def test_micro_batches_take_the_longest_rows_first_and_keep_each_piece_in_order():
+    lengths = torch.tensor([9, 2, 7, 7, 1, 5, 8, 3, 0, 6])  # row i's completion length
+    pieces = micro_batches(torch.arange(1, 10), 3, lengths)  # rows 1..9; row 0 is not trained
+    assert [p.tolist() for p in pieces] == [
+        [2, 3, 6],  # lengths 7, 7, 8: the three longest, in row order (a group's rows stay adjacent)
+        [5, 7, 9],  # 5, 3, 6
+        [1, 4, 8],  # 2, 1, 0
+    ]
+
+    def budget(length: int) -> int:  # rows a piece may hold at its longest row's length
+        return 1 if length >= 8 else 2 if length >= 6 else 4
+
+    fewest = micro_batches(torch.arange(1, 10), 0, lengths, rows_at=budget, pass_tokens=1e9)
+    assert [p.tolist() for p in fewest] == [[6], [2, 3], [5, 9], [1, 4, 7, 8]]  # longest 8 7 6 3: 8+14+12+12
+    free = micro_batches(torch.arange(1, 10), 0, lengths, rows_at=budget, pass_tokens=0)
+    assert [p.tolist() for p in free] == [[6], [2, 3], [9], [5], [7], [1], [4], [8]]  # no padding at all
+
+
+def cut_cost(sizes, longest_first, cap, pass_tokens):
+    """What `least_padding_cut` minimises, written out: inf where a piece is over its cap."""
+    starts = list(itertools.accumulate([0, *sizes[:-1]]))
+    pieces = list(zip(starts, sizes, strict=True))
+    if any(size > cap[longest_first[first]] for first, size in pieces):
+        return math.inf
+    return sum(pass_tokens + size * longest_first[first] for first, size in pieces)
+
+
+def test_the_least_padding_cut_is_the_cheapest_of_every_cut():
+    """Against every composition of the rows into pieces, on random lengths and caps."""
+    rng = random.Random(0)
+    for _ in range(40):
+        longest_first = sorted((rng.randint(1, 30) for _ in range(rng.randint(1, 8))), reverse=True)
+        cap = {length: rng.randint(1, 4) for length in set(longest_first)}
+        pass_tokens = rng.choice([0, 5, 40, 1e9])
+        rows = len(longest_first)
+        every = [[b - a for a, b in itertools.pairwise([0, *cuts, rows])]
+                 for k in range(rows) for cuts in itertools.combinations(range(1, rows), k)]  # fmt: skip
+        sizes = least_padding_cut(longest_first, cap.get, pass_tokens)
+        assert sum(sizes) == rows
+        assert cut_cost(sizes, longest_first, cap, pass_tokens) == min(
+            cut_cost(other, longest_first, cap, pass_tokens) for other in every
+        )
 
 
 def test_concat_rollouts_pads_prompts_left_and_completions_right():
