@@ -17,9 +17,9 @@ data-parallel run and a single-process run can be checked to cut the same batch 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from atrctl.rollout import Rollout
@@ -89,24 +89,32 @@ def least_padding_cut(longest_first: list[int], rows_at: Callable[[int], int], p
     fewest tokens: a piece costs its rows × its first row's length, plus `pass_tokens` (the fixed cost of
     a pass, in tokens' worth of its work), and holds at most rows_at(that length) rows.
 
-    Exact, by dynamic programming over where each piece starts (rows × largest piece steps).  A huge
-    `pass_tokens` gives the fewest pieces the caps allow, padded as little as that count can be.
+    Exact, by dynamic programming over where each piece starts, each start's piece sizes at once (numpy).
+    Where no cap binds, only the first row of each run of equal lengths needs to be tried as a start:
+    moving a piece's start back to its run's first row moves rows of that length out of a piece at least as
+    wide, which never costs more.  A huge `pass_tokens` gives the fewest pieces the caps allow, padded as
+    little as that count can be.
     """
     rows = len(longest_first)
-    best, start = [0.0] + [math.inf] * rows, [0] * (rows + 1)  # best[j]: the cheapest cut of the first j rows
-    caps: dict[int, int] = {}
-    for first in range(rows):
+    caps = {width: max(1, rows_at(width)) for width in set(longest_first)}
+    starts = range(rows)
+    if min(caps.values(), default=rows) >= rows:
+        starts = [i for i in range(rows) if i == 0 or longest_first[i] != longest_first[i - 1]]
+    best = np.full(rows + 1, np.inf)  # best[j]: the cheapest cut of the first j rows
+    best[0] = 0.0
+    start = np.zeros(rows + 1, dtype=np.int64)  # where the last piece of that cut starts
+    for first in starts:
         width = longest_first[first]
-        cap = caps.setdefault(width, max(1, rows_at(width)))
-        for size in range(1, min(cap, rows - first) + 1):
-            cost = best[first] + pass_tokens + size * width
-            if cost < best[first + size]:
-                best[first + size], start[first + size] = cost, first
-    sizes, end = [], rows
+        sizes = np.arange(1, min(caps[width], rows - first) + 1)
+        cost = best[first] + pass_tokens + sizes * float(width)
+        ends = first + sizes
+        better = cost < best[ends]
+        best[ends[better]], start[ends[better]] = cost[better], first
+    cut, end = [], rows
     while end:
-        sizes.append(end - start[end])
-        end = start[end]
-    return sizes[::-1]
+        cut.append(int(end - start[end]))
+        end = int(start[end])
+    return cut[::-1]
 
 
 def rows(rollout: Rollout, where: slice | torch.Tensor) -> Rollout:

@@ -1,8 +1,8 @@
 """Freshly initialised models saved as ordinary model directories, for the benchmarks.
 
 A model directory is what `atrctl train` (model.base) and TRL both load, so every benchmark side
-starts from identical weights.  Untrained models emit completions up to max_new_tokens: the worst
-case for sampling.
+starts from identical weights.  Untrained models draw EOS about as often as any of the 57 characters,
+so their completions end at random: half of the tiny preset's row-steps at 64 new tokens are padding.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Throughput of one GRPO/ATR-GRPO step per preset, and what ATR's trust region costs against GRPO's.
 
 Not a test. Runs the real training step (`atrctl.train.train_step`) on a freshly initialised
-preset saved as an ordinary model directory (no warm-up: untrained models emit completions up to
-max_new_tokens, the worst case for sampling), with the default recipe's batch.  For each preset an
+preset saved as an ordinary model directory (no warm-up: an untrained model's completions end at
+random, `fresh_models`), with the default recipe's batch.  For each preset an
 atr run and a grpo run take their steps in turn, in the same process, so step k of one is paired
 with step k of the other under the same machine conditions; the atr/grpo ratio is the median of
 the paired ratios, with its 2.5-97.5% range over pairs.  `--arms autocast` pairs float32 against bf16
