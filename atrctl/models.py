@@ -284,7 +284,7 @@ def sized_batch(model: torch.nn.Module, tokens_per_row: int, requested: int = 0)
 UPDATE_BUDGET = 4 * 2**30  # bytes of activations a default-sized micro-batch may keep for its backward pass
 
 
-def activation_bytes_per_token(model: torch.nn.Module, tokens_per_row: int) -> int:
+def activation_bytes_per_token(model: torch.nn.Module, tokens_per_row: int, checkpointing: bool | None = None) -> int:
     """Bytes of activations one token of a row of `tokens_per_row` keeps for the backward pass, float32.
 
     Per layer about 10 hidden-size vectors (norm inputs, q, k, v, attention output, residuals), 6 of the
@@ -293,21 +293,25 @@ def activation_bytes_per_token(model: torch.nn.Module, tokens_per_row: int) -> i
     gives 2.5 MB for SmolLM2-135M and 4.5 MB for Qwen2.5-0.5B; one forward/backward there grew the process by
     2.4 and 4.8 MB per token beyond its parameter gradients (benchmarks/update_memory.py).  With activation
     checkpointing a layer keeps only its input, and the one being recomputed all of the above.
+    `checkpointing` None asks the model (transformers walks its modules for that: pass it when calling often).
     """
     config = model.config
     hidden, layers = config.hidden_size, config.num_hidden_layers
     width = getattr(config, "intermediate_size", None) or 4 * hidden
     layer = 10 * hidden + 6 * width + 2 * config.num_attention_heads * tokens_per_row
-    if getattr(model, "is_activation_checkpointing", False):
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_activation_checkpointing", False)
+    if checkpointing:
         return 4 * (layers * hidden + layer)
     return 4 * layers * layer
 
 
-def sized_micro_batch(model: torch.nn.Module, tokens_per_row: int) -> int:
+def sized_micro_batch(model: torch.nn.Module, tokens_per_row: int, checkpointing: bool | None = None) -> int:
     """Rows per forward/backward where algo.micro_batch is 0: as many as UPDATE_BUDGET of activations holds
     at `tokens_per_row` (at least 1).  SmolLM2-135M at 320 tokens: 5 rows; the tiny presets: whole
     mini-batches.  A constant budget (not the free memory) keeps a run's arithmetic a function of its recipe."""
-    return max(1, UPDATE_BUDGET // max(1, activation_bytes_per_token(model, tokens_per_row) * tokens_per_row))
+    per_token = activation_bytes_per_token(model, tokens_per_row, checkpointing)
+    return max(1, UPDATE_BUDGET // max(1, per_token * tokens_per_row))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -647,9 +647,10 @@ def cut_micro_batches(model: torch.nn.Module, rollout: Rollout, trained: torch.T
     if not len(trained):
         return []
     prompt_width = trimmed(rows(rollout, trained)).prompt_ids.shape[1]
+    checkpointing = getattr(model, "is_activation_checkpointing", False)  # asked once: it walks the modules
 
     def budgeted(length: int) -> int:
-        return sized_micro_batch(model, prompt_width + length)
+        return sized_micro_batch(model, prompt_width + length, checkpointing)
 
     lengths = rollout.completion_mask.sum(1)
     if algo.micro_batch:
