@@ -10,8 +10,10 @@ ones; pairs alternate which side goes first, and the ratio is taken within each 
 One "step" is one rollout batch and its optimiser steps (`minibatches × μ` of them), on both sides.
 The algorithm is the same; the work is not quite: in float32 atrctl takes the ratio's denominator
 from the sampler's logprobs (`algo.old_logprobs = auto`) where TRL, with several optimiser steps
-per generation, runs an extra forward pass for it, and atrctl runs a group's shared prompt once.
-Both are part of what is measured; the breakdown shows each phase.  atrctl's skipping of rows with
+per generation, runs an extra forward pass for it; atrctl runs a group's shared prompt once, drops
+ended rows from the decoding batch, and cuts its update's micro-batches by completion length where TRL
+pads every row to the longest (a fresh model's replies end at random: at 64 new tokens half the row-steps
+are padding).  All of it is part of what is measured; the breakdown shows each phase.  atrctl's skipping of rows with
 advantage 0 is off unless --skip-zero-advantage: the fresh models here earn (almost) no reward, so it
 would skip the whole update, which says nothing about the engines.  TRL's phases come from its own
 timers: its "reward" leaves out decoding the completions, which atrctl's includes.  Both compute in the
