@@ -1,6 +1,6 @@
 """How one step's batch is cut: prompts across ranks, sampling chunks, mini- and micro-batches.
 
-Pure functions of sizes and positions (a position is a prompt's index within the step), so a
+Pure functions of sizes, positions (a position is a prompt's index within the step) and lengths, so a
 data-parallel run and a single-process run can be checked to cut the same batch the same way.
 
 - Global mini-batch j is the contiguous positions [j·P/M, (j+1)·P/M) at every world size; rank r

@@ -142,6 +142,8 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
     from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
+        drops_rows = True  # batch_select_indices drops every state it keeps (`can_drop_rows`)
+
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.device, self.is_initialized, self.length = key_states.device, True, 0
@@ -169,7 +171,7 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             """Keep rows `indices` (ascending): their filled positions move to the front of the same buffers,
-            one copy of what a decode step reads anyway, and no new allocation."""
+            through one gathered copy of them (about what a decode step reads)."""
             if self.is_initialized:
                 for name in ("key_buffer", "value_buffer"):
                     buffer = getattr(self, name)
@@ -185,6 +187,17 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
     cache = DynamicCache(config=model.config)
     cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def can_drop_rows(cache) -> bool:
+    """Whether every layer of the sampling cache keeps only per-row keys and values, which its
+    batch_select_indices drops: the preallocated layers and transformers' sliding-window ones.  A hybrid
+    model's linear-attention layers (conv and recurrent states) or a quantized cache would keep the rows'
+    other states, so their rows stay in the batch to the end."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    return all(getattr(type(layer), "drops_rows", False) or type(layer) is DynamicSlidingWindowLayer
+               for layer in cache.layers)  # fmt: skip
 
 
 DECODE_ATTENTION = "atrctl-cpu-decode"
@@ -260,7 +273,8 @@ def sample(
 
     A GRPO group shares its prompt, so the prompt's forward pass (the prefill) runs once per distinct
     prompt and its KV cache is copied to the group's rows.  Rows that have ended leave the batch
-    (`COMPACT_AT`; `compact=False` keeps them, for comparison).  Same `generator` state, same tokens, with or
+    (`COMPACT_AT`; `compact=False` keeps them, for comparison; so does a cache `can_drop_rows` refuses), and
+    with them the check that their probabilities are finite.  Same `generator` state, same tokens, with or
     without compaction on CPU (up to the last bits of a matrix product over fewer rows); on CUDA the
     multinomial's draws depend on the batch, so compaction changes the stream, not its distribution.
     The generator must live on the model's device.
@@ -280,6 +294,7 @@ def sample(
     completion_ids = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
     cache = preallocated_cache(model, capacity=prompt.shape[1] + max_new_tokens)
+    compact = compact and can_drop_rows(cache)
     with torch.inference_mode(), decode_attention(model):
         positions = position_ids(distinct_mask)
         logits = model(

@@ -25,11 +25,14 @@ from atrctl.batching import (
     parts,
     rank_positions,
     rollout_seed,
+    rows,
     sampling_chunks,
+    trimmed,
 )
 from atrctl.config import load_recipe
 from atrctl.errors import UserError
 from atrctl.losses import aggregation_normaliser
+from atrctl.models import build_char_tokenizer, build_model
 from atrctl.rollout import Rollout
 from atrctl.train import train, validate_algo
 
@@ -116,7 +119,8 @@ def test_micro_batches_take_the_longest_rows_first_and_keep_each_piece_in_order(
     fewest = micro_batches(torch.arange(1, 10), 0, lengths, rows_at=budget, pass_tokens=1e9)
     assert [p.tolist() for p in fewest] == [[6], [2, 3], [5, 9], [1, 4, 7, 8]]  # longest 8 7 6 3: 8+14+12+12
     free = micro_batches(torch.arange(1, 10), 0, lengths, rows_at=budget, pass_tokens=0)
-    assert [p.tolist() for p in free] == [[6], [2, 3], [9], [5], [7], [1], [4], [8]]  # no padding at all
+    assert all(len(set(lengths[p].tolist())) == 1 for p in free)  # passes cost nothing: no padding at all
+    assert sorted(torch.cat(free).tolist()) == list(range(1, 10))
 
 
 def cut_cost(sizes, longest_first, cap, pass_tokens):
@@ -198,6 +202,35 @@ def test_micro_batches_give_the_same_weights(results, agg):
         [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (whole, micro)
     ]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+
+
+def test_budgeted_micro_batches_fit_the_budget_and_give_the_same_weights(results, monkeypatch):
+    """A budget that binds (algo.micro_batch = 0): every micro-batch holds at most what the budget allows at
+    its own trimmed width, the cut spans several, and the weights are the whole mini-batch's."""
+    from atrctl import models
+    from atrctl import train as train_module
+
+    whole, budgeted = results / "whole-budget", results / "budgeted"
+    train(recipe(), whole, results=results)
+    cuts = []
+
+    def recorded(model, rollout, trained, algo):
+        pieces = cut(model, rollout, trained, algo)
+        for piece in pieces:
+            sub = trimmed(rows(rollout, piece))
+            width = sub.prompt_ids.shape[1] + sub.completion_ids.shape[1]
+            cuts.append((len(piece), models.sized_micro_batch(model, width)))
+        return pieces
+
+    cut = train_module.cut_micro_batches
+    tiny = build_model("tiny", build_char_tokenizer())
+    two_rows = 2 * models.activation_bytes_per_token(tiny, 10) * 10  # 1-3 rows at these 5 + <= 8 tokens
+    monkeypatch.setattr(models, "UPDATE_BUDGET", two_rows)
+    monkeypatch.setattr(train_module, "cut_micro_batches", recorded)
+    train(recipe(), budgeted, results=results)
+    assert cuts and all(size <= cap for size, cap in cuts)
+    assert len(cuts) > 2 * 3 * 2  # 3 steps × 2 mini-batches, each in more than two micro-batches
+    assert_same_weights(weights(whole), weights(budgeted))
 
 
 def test_gradient_checkpointing_and_sampling_chunks_train(results):

@@ -411,3 +411,23 @@ def test_the_cache_drops_rows_as_a_cache_rebuilt_from_those_rows(model, tokenize
                        position_ids=torch.tensor([[4], [4]]), cache=fresh).logits[:, -1]  # fmt: skip
     assert cache.get_seq_length() == 5
     torch.testing.assert_close(after, direct, atol=1e-6, rtol=0)
+
+
+def test_a_cache_whose_layers_keep_other_state_keeps_every_row(model, tokenizer, prompts, monkeypatch):
+    """Only layers whose batch_select_indices drops all they keep let rows leave: a cache of plain DynamicLayers
+    (standing in for a hybrid model's linear-attention layers) decodes every row to the end."""
+    from transformers import DynamicCache
+
+    import atrctl.sampling as sampling
+
+    assert sampling.can_drop_rows(sampling.preallocated_cache(model, capacity=4))
+    assert not sampling.can_drop_rows(DynamicCache(config=model.config))
+    monkeypatch.setattr(sampling, "preallocated_cache", lambda model, capacity: DynamicCache(config=model.config))
+    with eos_bias(model, tokenizer, 1.5):
+        seen, hook = batch_sizes(model)
+        try:
+            rollout = run(model, tokenizer, prompts * 4, max_new_tokens=24)
+        finally:
+            hook.remove()
+    assert rollout.completion_mask.sum(1).min() < rollout.completion_ids.shape[1]  # rows did end early
+    assert set(seen) == {len(prompts) * 4}
