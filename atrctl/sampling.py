@@ -81,7 +81,7 @@ def _next_token(
     top_p: float,
     greedy: bool,
     generator: torch.Generator | None,
-    rows: tuple[torch.Tensor, int] | None = None,
+    rows: tuple[torch.Tensor, int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, its logprob) per row from last-position logits [B, V]; `rows` as in `draw`."""
     if greedy:
@@ -303,17 +303,12 @@ def sample(
         if repeats > 1:
             cache.batch_repeat_interleave(repeats)
             positions, logits = positions.repeat_interleave(repeats, dim=0), logits.repeat_interleave(repeats, dim=0)
-        live = None  # the output row of each batch row, once rows have left the batch (None: all, in order)
+        live = torch.arange(rows, device=device)  # the output row of each batch row
         mask, done = prompt_mask, torch.zeros(rows, dtype=torch.bool, device=device)
         for produced in range(1, max_new_tokens + 1):
-            drawn = None if live is None else (live, rows)
-            token, logp = _next_token(logits, temperature, top_p, greedy, generator, drawn)
+            token, logp = _next_token(logits, temperature, top_p, greedy, generator, (live, rows))
             token, logp = torch.where(done, pad_id, token), logp.masked_fill(done, 0.0)
-            column = produced - 1
-            if live is None:
-                completion_ids[:, column], logprobs[:, column] = token, logp
-            else:
-                completion_ids[live, column], logprobs[live, column] = token, logp
+            completion_ids[live, produced - 1], logprobs[live, produced - 1] = token, logp
             done = done | torch.isin(token, stops)
             ended = int(done.sum())  # the step's one host sync
             if produced == max_new_tokens or ended == len(done):
@@ -321,7 +316,7 @@ def sample(
             if compact and ended >= COMPACT_AT * len(done):
                 keep = (~done).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
-                live = keep if live is None else live.index_select(0, keep)
+                live = live.index_select(0, keep)
                 token, mask, positions = token[keep], mask[keep], positions[keep]
                 done = done[keep]
             mask = torch.cat([mask, torch.ones_like(done[:, None], dtype=mask.dtype)], dim=-1)

@@ -644,17 +644,15 @@ def cut_micro_batches(model: torch.nn.Module, rollout: Rollout, trained: torch.T
     """`trained` (row indices) in micro-batches, longest completions first (`batching.micro_batches`):
     `algo.micro_batch` rows each, or for 0 the cut that computes the fewest tokens with no micro-batch over
     the activation budget at its longest row (`models.sized_micro_batch`)."""
-    if not len(trained):
-        return []
+    lengths = rollout.completion_mask.sum(1)
+    if algo.micro_batch or not len(trained):
+        return micro_batches(trained, algo.micro_batch, lengths)
     prompt_width = trimmed(rows(rollout, trained)).prompt_ids.shape[1]
     checkpointing = getattr(model, "is_activation_checkpointing", False)  # asked once: it walks the modules
 
     def budgeted(length: int) -> int:
         return sized_micro_batch(model, prompt_width + length, checkpointing)
 
-    lengths = rollout.completion_mask.sum(1)
-    if algo.micro_batch:
-        return micro_batches(trained, algo.micro_batch, lengths)
     pass_tokens = PASS_TOKENS.get(next(model.parameters()).device.type, FEWEST_PASSES)
     return micro_batches(trained, 0, lengths, budgeted, pass_tokens)
 
