@@ -15,6 +15,7 @@ each pair (> 1: length order is faster), median [min, max].  "padded" is the tok
 
     python benchmarks/length_order.py --model models/smollm2
     python benchmarks/length_order.py                   # the tiny rows only
+    python benchmarks/length_order.py --sweep 128 256 512 1024 2048   # train.PASS_TOKENS's value, swept
 """
 
 from __future__ import annotations
@@ -88,13 +89,50 @@ def compare(label: str, model, rollout, micro_batch: int, pairs: int, temperatur
     )
 
 
+def sweep(preset: str, new_tokens: int, pass_tokens: list[float], pairs: int) -> None:
+    """The budget's cut at each fixed cost per pass (`train.PASS_TOKENS`) against the fewest pieces, on a fresh
+    preset's 16 prompts × G = 8; each pair times every value once, in alternating order."""
+    tokenizer = build_char_tokenizer()
+    model = build_model(preset, tokenizer, seed=0).eval()
+    rng = random.Random(0)
+    prompts = [tokenizer(f"{rng.randint(100, 999)}+{rng.randint(100, 999)}=")["input_ids"] for _ in range(16)]
+    rollout = sample(model, prompts, repeats=8, max_new_tokens=new_tokens, eos_id=tokenizer.eos_token_id, pad_id=0,
+                     generator=torch.Generator().manual_seed(0))  # fmt: skip
+    trained, width = torch.arange(rollout.completion_ids.shape[0]), rollout.prompt_ids.shape[1]
+    values = [train.FEWEST_PASSES, *pass_tokens]
+    cuts = {value: micro_batches(trained, 0, rollout.completion_mask.sum(1),
+                                 lambda length: train.sized_micro_batch(model, width + length), value)
+            for value in values}  # fmt: skip
+    model.train()
+    times = {value: [] for value in values}
+    for pair in range(pairs + 1):  # pair 0 is unmeasured
+        for value in values if pair % 2 else values[::-1]:
+            seconds = passes(model, rollout, cuts[value], 1.0)
+            if pair:
+                times[value].append(seconds)
+    for value in values:
+        ratios = [a / b for a, b in zip(times[train.FEWEST_PASSES], times[value], strict=True)]
+        print(f"| {preset}, {new_tokens} | {value:g} | {len(cuts[value])} | {padded(rollout, cuts[value]):.2f} "
+              f"| {statistics.median(times[value]):.3f} "
+              f"| {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="SmolLM2-135M-Instruct's directory (atrctl import-gguf); omitted: tiny only")
     parser.add_argument("--real-new-tokens", type=int, default=256)
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--sweep", nargs="*", type=float, metavar="TOKENS",
+                        help="instead: the budget's cut at these costs per pass, e.g. 128 256 512 1024")  # fmt: skip
     args = parser.parse_args()
     threads = set_cpu_threads()
+    if args.sweep:
+        print(f"{threads} threads, {args.pairs} pairs; ratio = the fewest pieces' time / this cost's (> 1: faster)")
+        print("| preset, new tokens | cost per pass | micro-batches | padded per token | s | ratio |")
+        print("|---|---|---|---|---|---|")
+        for preset, new_tokens in (("tiny", 64), ("medium", 64), ("tiny", 8), ("medium", 8)):
+            sweep(preset, new_tokens, args.sweep, args.pairs)
+        return
     print(f"{threads} threads, {args.pairs} alternating pairs (after one unmeasured); row order / length order")
     print("| model | rows, reply lengths | micro-batches | padded per token | row order s | length order s | ratio |")
     print("|---|---|---|---|---|---|---|")
