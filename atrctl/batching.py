@@ -157,3 +157,9 @@ def concat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
         torch.cat([pad(p.completion_mask, completion, 0, False) for p in pieces]),
         torch.cat([pad(p.logprobs, completion, 0.0, False) for p in pieces]),
     )
+
+
+def equal_runs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of each run's first row, run lengths) of consecutive equal rows: a GRPO group's shared prompt."""
+    counts = torch.unique_consecutive(rows, dim=0, return_counts=True)[1]
+    return counts.cumsum(0) - counts, counts

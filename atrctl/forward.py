@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from atrctl import decoder_pass
+from atrctl.batching import equal_runs
 from atrctl.rollout import Rollout, position_ids
 
 if TYPE_CHECKING:
@@ -110,7 +112,11 @@ def _completion_states(model: PreTrainedModel, rollout: Rollout) -> tuple[torch.
             return _single_pass(_through_root(model), rollout, lambda out: out, False), model.get_output_embeddings()
         return _single_pass(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
     if head_is_linear(model):
-        states = _completion_outputs(model.get_decoder(), rollout, lambda out: out.last_hidden_state, False)
+        compiled = decoder_pass.compiled_states(model)
+        if compiled is not None:
+            states = compiled(model, decoder_pass.decoder_inputs(rollout))
+        else:
+            states = _completion_outputs(model.get_decoder(), rollout, lambda out: out.last_hidden_state, False)
         return states, model.get_output_embeddings()
     return _completion_outputs(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
 
@@ -180,7 +186,7 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool) -> torch.Te
     def single_pass() -> torch.Tensor:
         return _single_pass(module, rollout, pick, is_lm)
 
-    first_rows, counts = _runs(torch.cat([prompt, prompt_mask], dim=1))
+    first_rows, counts = equal_runs(torch.cat([prompt, prompt_mask], dim=1))
     if len(counts) == prompt.shape[0] or getattr(module, "is_activation_checkpointing", False):
         return single_pass()
     width = prompt.shape[1]
@@ -234,9 +240,3 @@ def _select_rows(cache, rows: torch.Tensor) -> None:
             layer.keys, layer.values = keys.index_select(0, rows), values.index_select(0, rows)
         else:
             layer.batch_select_indices(rows)
-
-
-def _runs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index of each run's first row, run lengths) of consecutive equal rows."""
-    counts = torch.unique_consecutive(rows, dim=0, return_counts=True)[1]
-    return counts.cumsum(0) - counts, counts

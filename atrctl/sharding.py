@@ -36,8 +36,8 @@ from atrctl.errors import UserError
 from atrctl.models import linears_autocast_casts
 
 
-def check_can_shard(shard: str, world: int, lora: bool) -> None:
-    """Fail before any work: sharding needs several processes, and is not combined with LoRA."""
+def check_can_shard(shard: str, world: int, lora: bool, compiled: bool = False) -> None:
+    """Fail before any work: sharding needs several processes, and is not combined with LoRA or compiling."""
     if shard != "fsdp":
         return
     if world < 2:
@@ -49,6 +49,11 @@ def check_can_shard(shard: str, world: int, lora: bool) -> None:
         raise UserError(
             'model.shard = "fsdp" with model.lora is not supported: LoRA keeps the base frozen, so shard '
             'nothing (model.shard = "none") or train every weight sharded (model.lora = {})'
+        )
+    if compiled:
+        raise UserError(
+            'model.shard = "fsdp" with model.compile = true is not supported: a sharded pass gathers its weights '
+            "layer by layer, outside the compiled function; set model.compile = false"
         )
 
 

@@ -56,6 +56,7 @@ from atrctl.checkpoint import (
     write_checkpoint,
 )
 from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
+from atrctl.decoder_pass import compile_update
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, metric_reduction, policy_loss
@@ -784,7 +785,7 @@ def build_run(
 
     validate_algo(recipe)
     lora = lora_settings(recipe.model.lora)
-    check_can_shard(recipe.model.shard, distributed.world_size(), bool(lora))
+    check_can_shard(recipe.model.shard, distributed.world_size(), bool(lora), recipe.model.compile)
     task = get_task(recipe.task.name, **recipe.task.args)
     with distributed.main_first():  # rank 0 builds a missing base; the others then load it
         base, _ = ensure_base(recipe, results, on_warmup)
@@ -806,6 +807,8 @@ def build_run(
         store_frozen_base(model, compute.autocast_dtype)
         model.to(compute.device)
     model.train()
+    if recipe.model.compile:
+        compile_update(model)
     sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
     bf16 = compute.device.type == "cuda" and compute.autocast_enabled  # FSDP gathers in bf16 where it computes so
     if sharded:

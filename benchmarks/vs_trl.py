@@ -25,6 +25,7 @@ TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
     python benchmarks/vs_trl.py                         # tiny, default recipe batch, 5 pairs
     python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7
     python benchmarks/vs_trl.py --preset medium --autocast off        # float32 on both, whatever the CPU
+    python benchmarks/vs_trl.py --compile                # atrctl's update compiled (model.compile), TRL eager
     python benchmarks/vs_trl.py --device cuda --preset qwen2.5-0.5b-shape --max-new-tokens 256   # bf16 on both
 """
 
@@ -61,6 +62,7 @@ def recipe_for(args: argparse.Namespace):
             f"run.steps={args.warmup + args.steps}",
             f"algo.skip_zero_advantage={str(args.skip_zero_advantage).lower()}",
             f"model.autocast={args.autocast}",
+            f"model.compile={str(args.compile).lower()}",
         ],
     )
 
@@ -71,8 +73,10 @@ def atrctl_worker(args: argparse.Namespace) -> dict:
 
     recipe = recipe_for(args)
     run = build_run(recipe, Path(args.scratch) / "atrctl-run", Path(args.scratch))
-    steps = []
+    steps, started = [], time.perf_counter()
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            warmup = time.perf_counter() - started  # with --compile: the compilation, in the first step
         record, _ = train_step(run, TrainState(step=step))
         if step >= args.warmup:
             steps.append(
@@ -82,7 +86,7 @@ def atrctl_worker(args: argparse.Namespace) -> dict:
                     **{phase: record[f"time/{phase}"] for phase in PHASES},
                 }
             )
-    return {"steps": steps, "bf16": run.numerics.autocast_enabled}
+    return {"steps": steps, "bf16": run.numerics.autocast_enabled, "warmup": warmup}
 
 
 def trl_worker(args: argparse.Namespace) -> dict:
@@ -255,6 +259,9 @@ def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
         f"| {'ratio':7} | {spread([a[0] / b[0] for a, b in zip(ours, theirs, strict=True)]):>20} | "
         f"{spread([a[1] / b[1] for a, b in zip(ours, theirs, strict=True)]):>26} |"
     )
+    if args.compile:
+        seconds = spread([pair["atrctl"]["warmup"] for pair in pairs])
+        print(f"\natrctl compiled its update (TRL eager); its {args.warmup} unmeasured steps took {seconds} s")
     print("\nstep breakdown, mean ms per step (share); TRL's from its own profiling blocks, its update = the rest")
     ours, theirs = breakdown([pair["atrctl"] for pair in pairs]), dict(breakdown([pair["trl"] for pair in pairs]))
     print(f"  {'phase':9} {'atrctl':>16} {'TRL':>16}")
@@ -294,6 +301,11 @@ def main() -> None:
         action="store_true",
         help="let atrctl skip rows with advantage 0 (off: a fresh model earns no reward, so every row would be "
         "skipped and the comparison would be of no work against TRL's)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="atrctl's model.compile (its update's passes compiled, after the unmeasured steps); TRL stays eager",
     )
     parser.add_argument("--worker", choices=["atrctl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)

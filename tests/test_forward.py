@@ -55,12 +55,12 @@ def todays(model, rollout: Rollout, temperature: float):
     completions on the prompt's cache, then float32 log_softmax of the whole [B, T, vocab]."""
     from transformers import DynamicCache
 
-    from atrctl.forward import _runs
+    from atrctl.batching import equal_runs
 
     prompt, prompt_mask, completion = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
     mask = torch.cat([prompt_mask, rollout.completion_mask], dim=1)
     positions = position_ids(mask)
-    first_rows, counts = _runs(torch.cat([prompt, prompt_mask], dim=1))
+    first_rows, counts = equal_runs(torch.cat([prompt, prompt_mask], dim=1))
     width = prompt.shape[1]
     cache = DynamicCache(config=model.config)
     head = model(

@@ -1,0 +1,190 @@
+"""The update's decoder pass for Llama-family models, written as one function over the model's own modules.
+
+`forward._completion_outputs` gets the same states through transformers' `LlamaModel.forward` twice (the
+group's shared prompt once, then the completions on its KV cache).  That path builds a DynamicCache, a
+4-D mask per call and a chain of decorators; here the loop over layers is ours and calls the model's own
+norms, projections and MLPs (so LoRA adapters inside them still apply), with rotary phases, masks and
+SDPA computed once per pass.  Same arithmetic as transformers' (tested to 1e-6, gradients included).
+
+Being a plain function of tensors, it is what `torch.compile` takes, with dynamic shapes, so one
+compilation serves every micro-batch's rows and widths (`model.compile`, `compile_update`); the
+data-dependent parts (which rows share a prompt) stay outside it, in `decoder_inputs`.  Eager runs keep
+transformers' forward: this pass measured no faster uncompiled (1.04x on tiny's update, within noise).
+
+Only models whose every layer is known to compute this function take it (`supports`): Llama and Qwen2
+decoders with full attention, a static rotary table, no attention dropout while training, no activation
+checkpointing; anything else keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from atrctl.batching import equal_runs
+from atrctl.rollout import Rollout, position_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+DECODERS = {"LlamaModel", "Qwen2Model"}  # class names whose forward this module reproduces
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # rotary tables that do not change with the sequence length
+
+
+def compile_update(model: PreTrainedModel) -> bool:
+    """Have the update's passes of `model` run `decoder_states` compiled; False (with a warning) where this
+    pass does not reproduce the model, which then trains eagerly.  Compilation happens at the first pass:
+    10-60 s on a 2-core CPU (less when torch's on-disk cache of compiled kernels already holds it)."""
+    if not supports(model):
+        warnings.warn(
+            f"model.compile: {type(model).__name__} is not a decoder atrctl compiles (Llama and Qwen2 with full "
+            "attention, no activation checkpointing); its update runs eagerly",
+            stacklevel=2,
+        )
+        return False
+    _COMPILED[model] = True
+    return True
+
+
+def compiled_states(model: PreTrainedModel):
+    """`decoder_states`, compiled, if `compile_update` chose it for `model`; else None."""
+    global _compiled
+    if model not in _COMPILED:
+        return None
+    if _compiled is None:
+        _compiled = torch.compile(decoder_states, dynamic=True)
+    return _compiled
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_compiled = None
+
+
+def supports(model: PreTrainedModel) -> bool:
+    """Whether `decoder_states` computes what `model.get_decoder()` would, for the update's passes."""
+    decoder = getattr(model, "get_decoder", lambda: None)()
+    if decoder is None or type(decoder).__name__ not in DECODERS or decoder is model:
+        return False
+    config = decoder.config
+    rope = getattr(getattr(decoder, "rotary_emb", None), "rope_type", None)
+    return (
+        rope in STATIC_ROPE
+        and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+        and not getattr(config, "use_sliding_window", False)
+        and not (model.training and getattr(config, "attention_dropout", 0.0))
+        and not any(getattr(layer, "gradient_checkpointing", False) for layer in decoder.layers)
+    )
+
+
+@dataclass
+class DecoderInputs:
+    """A micro-batch laid out for `decoder_states`: the distinct prompts once, each row's completion after it."""
+
+    prompt_ids: torch.Tensor  # [D, P] the distinct prompts (D runs of consecutive equal rows)
+    prompt_positions: torch.Tensor  # [D, P]
+    prompt_mask: torch.Tensor  # [D, 1, P, P] bool, True = attend (causal, padding, each position itself)
+    owner: torch.Tensor  # [B] the distinct prompt of each row
+    completion_ids: torch.Tensor  # [B, T-1] every completion token that predicts a next one
+    completion_positions: torch.Tensor  # [B, T-1]
+    completion_mask: torch.Tensor  # [B, 1, T-1, P + T-1] bool
+
+
+def decoder_inputs(rollout: Rollout) -> DecoderInputs:
+    """The rows' inputs with their shared prompts found (`batching.equal_runs`) and their masks built."""
+    prompt, prompt_mask, completion = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
+    mask = torch.cat([prompt_mask, rollout.completion_mask], dim=1).bool()
+    positions = position_ids(mask.long())
+    first, counts = equal_runs(torch.cat([prompt, prompt_mask], dim=1))
+    owner = torch.repeat_interleave(torch.arange(len(counts), device=prompt.device), counts)
+    width, steps = prompt.shape[1], completion.shape[1] - 1
+
+    def causal(size: int) -> torch.Tensor:
+        return torch.ones(size, size, dtype=torch.bool, device=prompt.device).tril()
+
+    def itself(size: int) -> torch.Tensor:
+        return torch.eye(size, dtype=torch.bool, device=prompt.device)
+
+    # True = attend: real keys at or before the query; and every query its own key, so that a padded one
+    # (which sees no real key) keeps a finite softmax; its output is never read
+    on_prompt = (mask[first, None, None, :width] & causal(width)) | itself(width)
+    on_completion = torch.cat(
+        [
+            mask[:, None, None, :width].expand(-1, 1, steps, width),
+            (mask[:, None, None, width : width + steps] & causal(steps)) | itself(steps),
+        ],
+        dim=-1,
+    )
+    return DecoderInputs(
+        prompt[first],
+        positions[first, :width],
+        on_prompt,
+        owner,
+        completion[:, :steps],
+        positions[:, width : width + steps],
+        on_completion,
+    )
+
+
+def decoder_states(model: PreTrainedModel, inputs: DecoderInputs) -> torch.Tensor:
+    """The decoder's last hidden states at the positions that predict each completion token: [B, T, H].
+
+    Column 0 is the prompt's last position (it predicts the first token), column t the completion's token
+    t - 1.  The prompt runs once per distinct prompt; its keys and values are then indexed to its rows, so
+    gradients reach the prompt's activations through every completion of the group.
+    """
+    decoder = model.get_decoder()
+    on_prompt = decoder.embed_tokens(inputs.prompt_ids)  # [D, P, H]
+    prompt_rope = _rotary(decoder, on_prompt, inputs.prompt_positions)
+    steps = inputs.completion_ids.shape[1]
+    if steps:  # completions of one token have no token that predicts another
+        on_completion = decoder.embed_tokens(inputs.completion_ids)  # [B, T-1, H]
+        completion_rope = _rotary(decoder, on_completion, inputs.completion_positions)
+    for layer in decoder.layers:
+        attention = layer.self_attn
+        q, k, v = _projections(attention, layer.input_layernorm(on_prompt), prompt_rope)
+        on_prompt = on_prompt + _attend(attention, q, k, v, inputs.prompt_mask)
+        if steps:  # the completions attend to their prompt's keys and values, then to their own
+            q, k_new, v_new = _projections(attention, layer.input_layernorm(on_completion), completion_rope)
+            k = torch.cat([k.index_select(0, inputs.owner), k_new], dim=2)
+            v = torch.cat([v.index_select(0, inputs.owner), v_new], dim=2)
+            on_completion = on_completion + _attend(attention, q, k, v, inputs.completion_mask)
+            on_completion = on_completion + layer.mlp(layer.post_attention_layernorm(on_completion))
+        on_prompt = on_prompt + layer.mlp(layer.post_attention_layernorm(on_prompt))
+    last = decoder.norm(on_prompt[:, -1:]).index_select(0, inputs.owner)  # [B, 1, H]
+    return torch.cat([last, decoder.norm(on_completion)], dim=1) if steps else last
+
+
+def _rotary(decoder, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [rows, 1, L, head_dim], as the decoder's rotary module computes them."""
+    cos, sin = decoder.rotary_emb(hidden, positions)
+    return cos[:, None], sin[:, None]
+
+
+def _projections(attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    """Queries and keys with their rotary phases, and values: [rows, heads, L, head_dim] each."""
+    rows, length = x.shape[:2]
+    shape = (rows, length, -1, attention.head_dim)
+    q = attention.q_proj(x).view(shape).transpose(1, 2)
+    k = attention.k_proj(x).view(shape).transpose(1, 2)
+    v = attention.v_proj(x).view(shape).transpose(1, 2)
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + mask)·v through the output projection: [rows, L, H]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # grouped-query attention: each KV head serves `groups` query heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attention.scaling)
+    return attention.o_proj(out.transpose(1, 2).flatten(2))

@@ -1,0 +1,156 @@
+"""atrctl's own decoder pass (what `model.compile` compiles) computes transformers' function: the same states
+and gradients for Llama and Qwen2, shared prompts or not, LoRA included; models it does not reproduce keep
+transformers' forward; one compilation serves every micro-batch shape."""
+
+import pytest
+import torch
+from test_forward import group_rollout, small_model, values_and_gradients
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+from atrctl import decoder_pass, forward
+from atrctl.decoder_pass import compile_update, decoder_inputs, decoder_states, supports
+from atrctl.errors import UserError
+from atrctl.forward import completion_logprobs_and_entropy
+from atrctl.sharding import check_can_shard
+
+
+def transformers_states(model, rollout):
+    """The eager path: transformers' decoder on the prompt once per group, then the completions on its cache."""
+    return forward._completion_outputs(model.get_decoder(), rollout, lambda out: out.last_hidden_state, False)
+
+
+def ours(model, rollout):
+    return decoder_states(model, decoder_inputs(rollout))
+
+
+def states_and_gradients(function, model, rollout):
+    model.zero_grad(set_to_none=True)
+    states = function(model, rollout)
+    weights = torch.randn(states.shape, generator=torch.Generator().manual_seed(3))
+    (states * weights * rollout.completion_mask[..., None]).sum().backward()  # masked: padding's states are unused
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return states.detach() * rollout.completion_mask[..., None], grads
+
+
+def assert_same_function(model, rollout):
+    want_states, want_grads = states_and_gradients(transformers_states, model, rollout)
+    got_states, got_grads = states_and_gradients(ours, model, rollout)
+    torch.testing.assert_close(got_states, want_states, atol=1e-6, rtol=1e-6)
+    assert set(got_grads) == set(want_grads)
+    for name, grad in want_grads.items():  # float32 summation-order noise, relative to the tensor's scale
+        error = (got_grads[name] - grad).abs().max() / grad.abs().max()
+        assert error < 1e-5, f"{name}: max |difference| is {error:.2e} of max |gradient|"
+
+
+ROLLOUTS = {
+    "groups share a left-padded prompt": dict(groups=3, group=4),
+    "every row its own prompt": dict(groups=5, group=1, prompt=10),  # left padding up to 8 of 10
+    "completions of one token": dict(groups=2, group=3, completion=1),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("shape", list(ROLLOUTS))
+def test_states_and_gradients_equal_transformers(arch, shape):
+    model = small_model(arch)  # 4 query heads over 2 KV heads: grouped-query attention
+    assert supports(model)
+    assert_same_function(model, group_rollout(seed=1, **ROLLOUTS[shape]))
+
+
+def test_qwen2s_attention_biases_are_applied():
+    model = small_model("qwen2")
+    with torch.no_grad():
+        for layer in model.get_decoder().layers:
+            layer.self_attn.q_proj.bias.normal_()  # Qwen2's q/k/v biases start at 0: make them count
+            layer.self_attn.k_proj.bias.normal_()
+    assert_same_function(model, group_rollout(seed=2))
+
+
+def test_lora_adapters_inside_the_projections_still_apply():
+    from atrctl.adapters import add_adapters
+
+    model = small_model("llama")
+    add_adapters(model, {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}, seed=0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)  # B starts at 0: the adapters would change nothing
+    model.train()
+    assert supports(model)
+    assert_same_function(model, group_rollout(seed=3))
+
+
+def test_bf16_autocast_stays_within_bf16_rounding_of_transformers():
+    model, rollout = small_model("llama"), group_rollout(seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = transformers_states(model, rollout), ours(model, rollout)
+    mask = rollout.completion_mask[..., None]
+    assert want.dtype == got.dtype
+    error = ((got.float() - want.float()) * mask).abs().max() / (want.float() * mask).abs().max()
+    assert error < 2e-2, f"max |difference| is {error:.2e} of max |state|"  # a few bf16 ulps (2^-8 = 3.9e-3)
+
+
+def unsupported_models():
+    shape = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    sliding = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=4))
+    checkpointed = small_model("llama")
+    checkpointed.activation_checkpointing_enable({"use_reentrant": False})
+    dynamic_rope = small_model("llama")
+    dynamic_rope.get_decoder().rotary_emb.rope_type = "dynamic"  # its table changes with the sequence length
+    dropout = small_model("llama")
+    dropout.config.attention_dropout = 0.1
+    dropout.train()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2))
+    return {"sliding window": sliding, "checkpointing": checkpointed, "dynamic rope": dynamic_rope,
+            "attention dropout while training": dropout, "gpt2": gpt2}  # fmt: skip
+
+
+def test_models_it_does_not_reproduce_are_refused_and_train_eagerly():
+    for name, model in unsupported_models().items():
+        assert not supports(model), name
+        with pytest.warns(UserWarning, match="runs eagerly"):
+            assert not compile_update(model)
+        assert decoder_pass.compiled_states(model) is None, name
+
+
+def test_compile_with_fsdp_fails_before_any_work():
+    with pytest.raises(UserError, match="model.compile = false"):
+        check_can_shard("fsdp", 2, lora=False, compiled=True)
+
+
+def transformers_logprobs(model, rollout):
+    """completion_logprobs_and_entropy on transformers' path: `model` is not registered as compiled here."""
+    states = transformers_states(model, rollout)
+    return forward.selective_log_softmax(
+        states, model.get_output_embeddings(), rollout.completion_ids, rollout.completion_mask
+    )
+
+
+@pytest.mark.slow
+def test_one_inductor_compilation_serves_every_micro_batch_shape_with_the_eager_values(monkeypatch):
+    """What model.compile runs (inductor's generated kernels) gives transformers' logprobs, entropy and
+    gradients while rows, prompt width and completion width change between micro-batches, compiling once."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    monkeypatch.setattr(decoder_pass, "_compiled", torch.compile(decoder_states, backend=counter, dynamic=True))
+    model = small_model("qwen2")
+    model.get_decoder().layers = model.get_decoder().layers[:1]  # one layer compiles in half the time
+    model.config.num_hidden_layers = 1
+    assert compile_update(model)
+    compiled = []  # frames compiled after each shape (the first shape's include an empty one)
+    for seed, shape in enumerate([dict(groups=3, group=4, prompt=6, completion=9),
+                                  dict(groups=2, group=3, prompt=11, completion=5),
+                                  dict(groups=4, group=2, prompt=7, completion=14)]):  # fmt: skip
+        rollout = group_rollout(seed=seed, **shape)
+        want = values_and_gradients(lambda r=rollout: transformers_logprobs(model, r), model, rollout)
+        got = values_and_gradients(lambda r=rollout: completion_logprobs_and_entropy(model, r), model, rollout)
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        for name, grad in want[2].items():  # fused kernels sum in another order: relative to the tensor's scale
+            error = (got[2][name] - grad).abs().max() / grad.abs().max()
+            assert error < 1e-5, f"{name}: max |difference| is {error:.2e} of max |gradient|"
+        compiled.append(counter.frame_count)
+    assert compiled[0] >= 1 and compiled[1:] == compiled[:1] * 2  # nothing recompiled for the new shapes
+    assert sum(len(graph.graph.nodes) > 0 for graph in counter.graphs) == 1  # one graph: no break inside
