@@ -8,8 +8,9 @@ SDPA computed once per pass.  Same arithmetic as transformers' (tested to 1e-6, 
 
 Being a plain function of tensors, it is what `torch.compile` takes, with dynamic shapes, so one
 compilation serves every micro-batch's rows and widths (`model.compile`, `compile_update`); the
-data-dependent parts (which rows share a prompt) stay outside it, in `decoder_inputs`.  Eager runs keep
-transformers' forward: this pass measured no faster uncompiled (1.04x on tiny's update, within noise).
+data-dependent parts (which rows share a prompt) stay outside it, in `decoder_inputs`.  `decode_step` is
+the sampler's twin: one new token per row on the preallocated KV cache.  Eager runs keep transformers'
+forward: this pass measured no faster uncompiled (1.04x on tiny's update, within noise).
 
 Only models whose every layer is known to compute this function take it (`supports`): Llama and Qwen2
 decoders with full attention, a static rotary table, no attention dropout while training, no activation
@@ -37,13 +38,13 @@ STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # rotary tables that do n
 
 
 def compile_update(model: PreTrainedModel) -> bool:
-    """Have the update's passes of `model` run `decoder_states` compiled; False (with a warning) where this
-    pass does not reproduce the model, which then trains eagerly.  Compilation happens at the first pass:
-    10-60 s on a 2-core CPU (less when torch's on-disk cache of compiled kernels already holds it)."""
+    """Have `model`'s update passes and decode steps run compiled (`update_states`, `decode_step`); False
+    (with a warning) where this module does not reproduce the model, which then runs eagerly.  Compilation
+    happens at the first use: 10-60 s on a 2-core CPU (less when torch's on-disk cache already holds it)."""
     if not supports(model):
         warnings.warn(
             f"model.compile: {type(model).__name__} is not a decoder atrctl compiles (Llama and Qwen2 with full "
-            "attention, no activation checkpointing); its update runs eagerly",
+            "attention, no activation checkpointing); it runs eagerly",
             stacklevel=2,
         )
         return False
@@ -51,18 +52,32 @@ def compile_update(model: PreTrainedModel) -> bool:
     return True
 
 
-def compiled_states(model: PreTrainedModel):
-    """`decoder_states`, compiled, if `compile_update` chose it for `model`; else None."""
-    global _compiled
-    if model not in _COMPILED:
-        return None
-    if _compiled is None:
-        _compiled = torch.compile(decoder_states, dynamic=True)
-    return _compiled
+def is_compiled(model: PreTrainedModel) -> bool:
+    return model in _COMPILED
+
+
+def update_states(model: PreTrainedModel, rollout: Rollout) -> torch.Tensor:
+    """`decoder_states` of the rollout's rows, compiled where `compile_update` registered the model.
+
+    torch.compile specialises sizes 0 and 1 even with dynamic shapes, so a micro-batch with one row, one
+    distinct prompt, a one-token prompt or completions of at most two tokens would compile once more (seen:
+    one recompilation each); those rare micro-batches run the same function eagerly instead."""
+    inputs = decoder_inputs(rollout)
+    sizes = (*inputs.prompt_ids.shape, *inputs.completion_ids.shape)
+    if is_compiled(model) and min(sizes) >= 2:
+        return _compiled("states", decoder_states)(model, inputs)
+    return decoder_states(model, inputs)
+
+
+def _compiled(name: str, function):
+    """`function` compiled once per process with dynamic shapes (every model and size shares it)."""
+    if name not in _COMPILED_FUNCTIONS:
+        _COMPILED_FUNCTIONS[name] = torch.compile(function, dynamic=True)
+    return _COMPILED_FUNCTIONS[name]
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_compiled = None
+_COMPILED_FUNCTIONS: dict = {}
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -188,3 +203,51 @@ def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attention.scaling)
     return attention.o_proj(out.transpose(1, 2).flatten(2))
+
+
+def decode_step(
+    model: PreTrainedModel,
+    token: torch.Tensor,
+    positions: torch.Tensor,
+    key_mask: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One decoding step of every row: (last-position logits [B, V], each layer's new key and value
+    [B, H_kv, 1, D]).
+
+    token [B], positions [B, 1], key_mask [B, S + 1] bool (True = attend; the last column is the new
+    token), keys/values: each layer's cached [B, H_kv, S, D] (views of the sampler's buffers).  The cache
+    is read, never written: the caller appends the new keys and values.  A compiled function that wrote
+    into its inputs would copy the whole buffers back at every step; attending to the cache and to the new
+    key separately (one softmax over both) keeps the step free of writes.  Same function as transformers'
+    decoding step with `sampling._cpu_decode_attention`, to float rounding (tested).
+    """
+    decoder = model.get_decoder()
+    hidden = decoder.embed_tokens(token[:, None])  # [B, 1, H]
+    rope = _rotary(decoder, hidden, positions)
+    new_keys, new_values = [], []
+    for layer, cached_keys, cached_values in zip(decoder.layers, keys, values, strict=True):
+        attention = layer.self_attn
+        q, k, v = _projections(attention, layer.input_layernorm(hidden), rope)
+        new_keys.append(k)
+        new_values.append(v)
+        rows, heads, _, dim = q.shape
+        kv_heads = k.shape[1]
+        grouped = q.view(rows, kv_heads, heads // kv_heads, dim)  # query head h reads KV head h // groups
+        scores = torch.cat([grouped @ cached_keys.transpose(-1, -2), grouped @ k.transpose(-1, -2)], dim=-1)
+        scores = (scores * attention.scaling).masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [B, H_kv, groups, S + 1]
+        out = probs[..., :-1] @ cached_values + probs[..., -1:] * v  # [B, H_kv, groups, D]
+        hidden = hidden + attention.o_proj(out.reshape(rows, 1, heads * dim))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    logits = model.get_output_embeddings()(decoder.norm(hidden))[:, 0]
+    return logits, new_keys, new_values
+
+
+def compiled_decode_step(model: PreTrainedModel, rows: int, cached: int):
+    """`decode_step` compiled, for a registered model decoding `rows` rows over `cached` positions; None where
+    it runs eagerly (not registered, or a size of 1, which would compile once more: see `update_states`)."""
+    if not is_compiled(model) or min(rows, cached) < 2:
+        return None
+    return _compiled("decode", decode_step)

@@ -112,9 +112,8 @@ def _completion_states(model: PreTrainedModel, rollout: Rollout) -> tuple[torch.
             return _single_pass(_through_root(model), rollout, lambda out: out, False), model.get_output_embeddings()
         return _single_pass(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
     if head_is_linear(model):
-        compiled = decoder_pass.compiled_states(model)
-        if compiled is not None:
-            states = compiled(model, decoder_pass.decoder_inputs(rollout))
+        if decoder_pass.is_compiled(model):
+            states = decoder_pass.update_states(model, rollout)
         else:
             states = _completion_outputs(model.get_decoder(), rollout, lambda out: out.last_hidden_state, False)
         return states, model.get_output_embeddings()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from atrctl import decoder_pass
 from atrctl.errors import UserError
 from atrctl.rollout import NonFiniteProbabilities, Rollout, left_pad, position_ids
 
@@ -131,6 +132,10 @@ def _check_totals(total: torch.Tensor) -> None:
         )
 
 
+class Preallocated:
+    """Marks the cache layers `preallocated_cache` makes (their class is made per call)."""
+
+
 def preallocated_cache(model: PreTrainedModel, capacity: int):
     """A DynamicCache whose full-attention layers write into buffers of `capacity` positions.
 
@@ -141,7 +146,7 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    class PreallocatedLayer(DynamicLayer):
+    class PreallocatedLayer(DynamicLayer, Preallocated):
         drops_rows = True  # batch_select_indices drops every state it keeps (`can_drop_rows`)
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -187,6 +192,18 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
     cache = DynamicCache(config=model.config)
     cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def _decode_on_buffers(step, model: PreTrainedModel, token, positions, mask, cache) -> torch.Tensor:
+    """One decoding step through `decoder_pass.decode_step` (compiled): it reads the cache's filled
+    positions, and its new keys and values are appended here, in place."""
+    layers = cache.layers
+    logits, keys, values = step(
+        model, token, positions, mask.bool(), [layer.keys for layer in layers], [layer.values for layer in layers]
+    )
+    for layer, key, value in zip(layers, keys, values, strict=True):
+        layer.update(key, value)
+    return logits
 
 
 def can_drop_rows(cache) -> bool:
@@ -321,9 +338,13 @@ def sample(
                 done = done[keep]
             mask = torch.cat([mask, torch.ones_like(done[:, None], dtype=mask.dtype)], dim=-1)
             positions = positions[:, -1:] + 1
-            logits = model(
-                input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1
-            ).logits[:, -1]
+            step = decoder_pass.compiled_decode_step(model, len(done), cache.get_seq_length())
+            if step is not None and all(isinstance(layer, Preallocated) for layer in cache.layers):
+                logits = _decode_on_buffers(step, model, token, positions, mask, cache)
+            else:
+                logits = model(
+                    input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1
+                ).logits[:, -1]
 
     completion_ids, logprobs = completion_ids[:, :produced], logprobs[:, :produced]
     is_eos = torch.isin(completion_ids, stops).long()

@@ -6,11 +6,14 @@ random, `fresh_models`), with the default recipe's batch.  For each preset an
 atr run and a grpo run take their steps in turn, in the same process, so step k of one is paired
 with step k of the other under the same machine conditions; the atr/grpo ratio is the median of
 the paired ratios, with its 2.5-97.5% range over pairs.  `--arms autocast` pairs float32 against bf16
-autocast instead (same loss, atr): the choice `model.autocast = auto` makes on a bf16-native CPU.
+autocast instead (same loss, atr): the choice `model.autocast = auto` makes on a bf16-native CPU;
+`--arms compile` eager against `model.compile = true` (compiled in the unmeasured steps).  `--set`
+changes the shared recipe (e.g. rollout.max_new_tokens=64).
 
     python benchmarks/step_throughput.py                      # tiny and medium, 2 threads
     python benchmarks/step_throughput.py --presets tiny --steps 60
     python benchmarks/step_throughput.py --arms autocast      # bf16 / float32 step time
+    python benchmarks/step_throughput.py --arms compile --set rollout.max_new_tokens=64
 """
 
 from __future__ import annotations
@@ -31,16 +34,26 @@ from atrctl.train import STEP_PHASES, build_run, train_step
 ARMS = {  # the two arms of a comparison, and the recipe overrides that make each; the ratio is second / first
     "losses": {"grpo": ["algo.loss=grpo"], "atr": ["algo.loss=atr"]},
     "autocast": {"float32": ["model.autocast=off"], "bf16": ["model.autocast=bfloat16"]},
+    "compile": {"eager": ["model.compile=false"], "compiled": ["model.compile=true"]},
 }
 
 
-def measure(model_dir: Path, scratch: Path, steps: int, warmup: int, arms: dict) -> dict[str, list[dict]]:
+def measure(
+    model_dir: Path, scratch: Path, steps: int, warmup: int, arms: dict, shared: list[str]
+) -> dict[str, list[dict]]:
     """Each arm's step records, steps alternating between the arms (which goes first alternates too)."""
     runs = {}
     for name, overrides in arms.items():
         recipe = load_recipe(
             "recipes/default.toml",
-            [f"model.base={model_dir}", "model.device=cpu", EVERY_ROW, f"run.steps={warmup + steps}", *overrides],
+            [
+                f"model.base={model_dir}",
+                "model.device=cpu",
+                EVERY_ROW,
+                f"run.steps={warmup + steps}",
+                *shared,
+                *overrides,
+            ],
         )
         runs[name] = build_run(recipe, scratch / f"{model_dir.name}-{name}", scratch)
     names = list(runs)
@@ -90,16 +103,20 @@ def main() -> None:
     parser.add_argument("--arms", choices=list(ARMS), default="losses", help="what the two arms differ in")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], help="recipe override for both arms, section.key=value")
     args = parser.parse_args()
     set_cpu_threads(args.threads)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch = default recipe "
-        "(64 prompts x 8, 8 new tokens, 4 mini-batches)"
+        f"(64 prompts x 8, 8 new tokens, 4 mini-batches){''.join(' ' + o for o in args.set)}"
     )
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         for preset in args.presets:
-            report(preset, measure(save_model(preset, scratch), scratch, args.steps, args.warmup, ARMS[args.arms]))
+            report(
+                preset,
+                measure(save_model(preset, scratch), scratch, args.steps, args.warmup, ARMS[args.arms], args.set),
+            )
 
 
 if __name__ == "__main__":

@@ -108,9 +108,9 @@ def unsupported_models():
 def test_models_it_does_not_reproduce_are_refused_and_train_eagerly():
     for name, model in unsupported_models().items():
         assert not supports(model), name
-        with pytest.warns(UserWarning, match="runs eagerly"):
+        with pytest.warns(UserWarning, match="it runs eagerly"):
             assert not compile_update(model)
-        assert decoder_pass.compiled_states(model) is None, name
+        assert not decoder_pass.is_compiled(model), name
 
 
 def test_compile_with_fsdp_fails_before_any_work():
@@ -126,15 +126,38 @@ def transformers_logprobs(model, rollout):
     )
 
 
+def counting_compiler(monkeypatch, name: str, function, backend: str):
+    """`decoder_pass`'s compiled `name` replaced by `function` compiled through a counter of compilations."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = {name: torch.compile(function, backend=counter, dynamic=True)}
+    monkeypatch.setattr(decoder_pass, "_COMPILED_FUNCTIONS", compiled)
+    return counter
+
+
+def test_micro_batches_with_a_size_of_one_run_the_same_function_eagerly(monkeypatch):
+    """Sizes 0 and 1 would each compile again: one row, one prompt, a one-token prompt, two-token completions."""
+    counter = counting_compiler(monkeypatch, "states", decoder_states, "eager")
+    model = small_model("llama")
+    assert compile_update(model)
+    for shape in [dict(groups=1, group=4), dict(groups=1, group=1), dict(groups=1, group=3, prompt=1),
+                  dict(groups=2, group=3, completion=2)]:  # fmt: skip
+        rollout = group_rollout(seed=5, **shape)
+        want = values_and_gradients(lambda r=rollout: transformers_logprobs(model, r), model, rollout)
+        got = values_and_gradients(lambda r=rollout: completion_logprobs_and_entropy(model, r), model, rollout)
+        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    assert counter.frame_count == 0
+    completion_logprobs_and_entropy(model, group_rollout(seed=5))  # every size >= 2: compiled
+    assert counter.frame_count >= 1
+
+
 @pytest.mark.slow
 def test_one_inductor_compilation_serves_every_micro_batch_shape_with_the_eager_values(monkeypatch):
     """What model.compile runs (inductor's generated kernels) gives transformers' logprobs, entropy and
     gradients while rows, prompt width and completion width change between micro-batches, compiling once."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    monkeypatch.setattr(decoder_pass, "_compiled", torch.compile(decoder_states, backend=counter, dynamic=True))
+    counter = counting_compiler(monkeypatch, "states", decoder_states, "inductor")
     model = small_model("qwen2")
     model.get_decoder().layers = model.get_decoder().layers[:1]  # one layer compiles in half the time
     model.config.num_hidden_layers = 1
@@ -154,3 +177,65 @@ def test_one_inductor_compilation_serves_every_micro_batch_shape_with_the_eager_
         compiled.append(counter.frame_count)
     assert compiled[0] >= 1 and compiled[1:] == compiled[:1] * 2  # nothing recompiled for the new shapes
     assert sum(len(graph.graph.nodes) > 0 for graph in counter.graphs) == 1  # one graph: no break inside
+
+
+# ------------------------------------------------------------------ the sampler's decoding step
+
+
+def transformers_step(model, prompt_ids, prompt_mask, token):
+    """Prefill then one decoding step through transformers (the sampler's cache and attention): the
+    step's logits, and the cache's keys and values before and after it."""
+    from atrctl.sampling import decode_attention, preallocated_cache
+
+    cache = preallocated_cache(model, prompt_ids.shape[1] + 2)
+    positions = forward.position_ids(prompt_mask)
+    with torch.no_grad(), decode_attention(model):
+        model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        mask = torch.cat([prompt_mask, torch.ones_like(prompt_mask[:, :1])], dim=1)
+        step = positions[:, -1:] + 1
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=step, cache=cache).logits[:, -1]
+    after = [(layer.keys, layer.values) for layer in cache.layers]
+    return logits, before, after, mask, step
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_decoding_step_equals_transformers_step_on_the_same_cache(arch):
+    model = small_model(arch).eval()
+    rollout = group_rollout(seed=6, groups=3, group=2)
+    token = rollout.completion_ids[:, 0]
+    logits, before, after, mask, step = transformers_step(model, rollout.prompt_ids, rollout.prompt_mask, token)
+    with torch.no_grad():
+        got, keys, values = decoder_pass.decode_step(
+            model, token, step, mask.bool(), [k for k, _ in before], [v for _, v in before]
+        )
+    torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5)
+    for (k, v), new_k, new_v in zip(after, keys, values, strict=True):
+        torch.testing.assert_close(new_k, k[:, :, -1:], atol=1e-6, rtol=1e-6)  # what the step appended
+        torch.testing.assert_close(new_v, v[:, :, -1:], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_sampling_draws_the_eager_tokens_while_rows_leave_the_batch(monkeypatch):
+    """Rows end (EOS is a common token here) and leave the batch, the cache grows: one compilation, the
+    eager sampler's tokens, its logprobs to float rounding; one row left decodes eagerly."""
+    from atrctl.sampling import sample
+
+    counter = counting_compiler(monkeypatch, "decode", decoder_pass.decode_step, "inductor")
+    model = small_model("qwen2").eval()
+    with torch.no_grad():
+        model.lm_head.weight[7] += 0.3  # token 7 (the EOS here) gets likelier: rows end at different steps
+    prompts = [[5, 6, 8, 9], [10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
+
+    def rollout():
+        return sample(model, prompts, max_new_tokens=24, eos_id=7, pad_id=0, repeats=4,
+                      generator=torch.Generator().manual_seed(0))  # fmt: skip
+
+    eager = rollout()
+    assert compile_update(model)
+    compiled = rollout()
+    lengths = eager.completion_mask.sum(1)
+    assert lengths.min() < lengths.max() and lengths.min() < 24  # rows did end at different steps
+    assert torch.equal(compiled.completion_ids, eager.completion_ids)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, atol=1e-5, rtol=1e-5)
+    assert sum(len(graph.graph.nodes) > 0 for graph in counter.graphs) == 1  # one graph (and an empty frame)
