@@ -2,7 +2,8 @@
 # Prepared GPU checks, each about 5 minutes; run from anywhere, everything goes to stdout.
 #   benchmarks/gpu_check.sh [scaling]   step time, tokens/s, MFU and peak GPU memory of the default recipe on the
 #                                       tiny, medium and Qwen2.5-0.5B-shaped models (bf16 autocast, 64 prompts x 8,
-#                                       256 new tokens, EOS suppressed), then the CUDA tests (one GPU)
+#                                       256 new tokens, EOS suppressed), then the CUDA tests (one GPU; model.compile
+#                                       among them: compiled update and decoding equal to eager on the GPU)
 #   benchmarks/gpu_check.sh shard       a few FSDP2-sharded steps of the Qwen2.5-0.5B shape over every GPU of the
 #                                       machine (two or more), then LoRA on one GPU: tokens/s, MFU, peak memory per rank
 #

@@ -239,3 +239,39 @@ def test_compiled_sampling_draws_the_eager_tokens_while_rows_leave_the_batch(mon
     assert torch.equal(compiled.completion_ids, eager.completion_ids)
     torch.testing.assert_close(compiled.logprobs, eager.logprobs, atol=1e-5, rtol=1e-5)
     assert sum(len(graph.graph.nodes) > 0 for graph in counter.graphs) == 1  # one graph (and an empty frame)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compiled_passes_equal_the_eager_ones():
+    """model.compile on a GPU (inductor's Triton kernels): the update's logprobs and gradients, and the
+    sampler's greedy tokens and logprobs, as eager float32 gives them."""
+    compiled_equals_eager("cuda")
+
+
+def compiled_equals_eager(device: str) -> None:
+    from atrctl.sampling import sample
+
+    torch._dynamo.reset()
+    eager, compiled = small_model("qwen2").to(device), small_model("qwen2").to(device)
+    assert compile_update(compiled)
+    rollout = group_rollout(seed=8)
+    rollout = type(rollout)(*(getattr(rollout, f).to(device) for f in rollout.__dataclass_fields__))
+
+    def values_and_gradients(model):
+        model.zero_grad(set_to_none=True)
+        logp, entropy = completion_logprobs_and_entropy(model, rollout)
+        weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(7)).to(device)
+        ((logp * weights).sum() + entropy.sum()).backward()
+        return logp.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+    (want, want_grads), (got, got_grads) = values_and_gradients(eager), values_and_gradients(compiled)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # float32, kernels that sum in other orders
+    for name, grad in want_grads.items():
+        error = (got_grads[name] - grad).abs().max() / grad.abs().max()
+        assert error < 1e-4, f"{name}: max |difference| is {error:.2e} of max |gradient|"
+    prompts = [[5, 6, 8, 9], [10, 11], [12, 13, 14]]
+    greedy = [sample(model.eval(), prompts, max_new_tokens=16, greedy=True, eos_id=7, pad_id=0, repeats=2)
+              for model in (eager, compiled)]  # fmt: skip
+    assert torch.equal(greedy[1].completion_ids, greedy[0].completion_ids)  # argmax: no draw to differ in
+    torch.testing.assert_close(greedy[1].logprobs, greedy[0].logprobs, atol=1e-4, rtol=1e-4)
