@@ -10,7 +10,7 @@ Being a plain function of tensors, it is what `torch.compile` takes, with dynami
 compilation serves every micro-batch's rows and widths (`model.compile`, `compile_update`); the
 data-dependent parts (which rows share a prompt) stay outside it, in `decoder_inputs`.  `decode_step` is
 the sampler's twin: one new token per row on the preallocated KV cache.  Eager runs keep transformers'
-forward: this pass measured no faster uncompiled (1.04x on tiny's update, within noise).
+forward: uncompiled, this pass was no faster than it in a probe (within noise).
 
 Only models whose every layer is known to compute this function take it (`supports`): Llama and Qwen2
 decoders with full attention, a static rotary table, no attention dropout while training, no activation
@@ -218,9 +218,10 @@ def decode_step(
 
     token [B], positions [B, 1], key_mask [B, S + 1] bool (True = attend; the last column is the new
     token), keys/values: each layer's cached [B, H_kv, S, D] (views of the sampler's buffers).  The cache
-    is read, never written: the caller appends the new keys and values.  A compiled function that wrote
-    into its inputs would copy the whole buffers back at every step; attending to the cache and to the new
-    key separately (one softmax over both) keeps the step free of writes.  Same function as transformers'
+    is read, never written: the caller appends the new keys and values.  Compiled with the writes inside
+    (into its inputs, which compiled code may copy back whole) the step was barely faster than eager in a
+    probe; attending to the cache and to the new key separately (one softmax over both) keeps it free of
+    writes.  Same function as transformers'
     decoding step with `sampling._cpu_decode_attention`, to float rounding (tested).
     """
     decoder = model.get_decoder()
