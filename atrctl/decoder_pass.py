@@ -7,7 +7,7 @@ norms, projections and MLPs (so LoRA adapters inside them still apply), with rot
 SDPA computed once per pass.  Same arithmetic as transformers' (tested to 1e-6, gradients included).
 
 Being a plain function of tensors, it is what `torch.compile` takes, with dynamic shapes, so one
-compilation serves every micro-batch's rows and widths (`model.compile`, `compile_update`); the
+compilation serves every micro-batch's rows and widths (`model.compile`, `compile_policy`); the
 data-dependent parts (which rows share a prompt) stay outside it, in `decoder_inputs`.  `decode_step` is
 the sampler's twin: one new token per row on the preallocated KV cache.  Eager runs keep transformers'
 forward: uncompiled, this pass was no faster than it in a probe (within noise).
@@ -37,7 +37,7 @@ DECODERS = {"LlamaModel", "Qwen2Model"}  # class names whose forward this module
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # rotary tables that do not change with the sequence length
 
 
-def compile_update(model: PreTrainedModel) -> bool:
+def compile_policy(model: PreTrainedModel) -> bool:
     """Have `model`'s update passes and decode steps run compiled (`update_states`, `decode_step`); False
     (with a warning) where this module does not reproduce the model, which then runs eagerly.  Compilation
     happens at the first use: 10-60 s on a 2-core CPU (less when torch's on-disk cache already holds it)."""
@@ -57,14 +57,14 @@ def is_compiled(model: PreTrainedModel) -> bool:
 
 
 def update_states(model: PreTrainedModel, rollout: Rollout) -> torch.Tensor:
-    """`decoder_states` of the rollout's rows, compiled where `compile_update` registered the model.
+    """`decoder_states` of the rollout's rows, compiled (for a model `compile_policy` registered).
 
     torch.compile specialises sizes 0 and 1 even with dynamic shapes, so a micro-batch with one row, one
     distinct prompt, a one-token prompt or completions of at most two tokens would compile once more (seen:
     one recompilation each); those rare micro-batches run the same function eagerly instead."""
     inputs = decoder_inputs(rollout)
     sizes = (*inputs.prompt_ids.shape, *inputs.completion_ids.shape)
-    if is_compiled(model) and min(sizes) >= 2:
+    if min(sizes) >= 2:
         return _compiled("states", decoder_states)(model, inputs)
     return decoder_states(model, inputs)
 
@@ -81,7 +81,7 @@ _COMPILED_FUNCTIONS: dict = {}
 
 
 def supports(model: PreTrainedModel) -> bool:
-    """Whether `decoder_states` computes what `model.get_decoder()` would, for the update's passes."""
+    """Whether `decoder_states` and `decode_step` compute what `model.get_decoder()` would."""
     decoder = getattr(model, "get_decoder", lambda: None)()
     if decoder is None or type(decoder).__name__ not in DECODERS or decoder is model:
         return False
@@ -246,9 +246,9 @@ def decode_step(
     return logits, new_keys, new_values
 
 
-def compiled_decode_step(model: PreTrainedModel, rows: int, cached: int):
+def compiled_decode_step(rows: int, cached: int):
     """`decode_step` compiled, for a registered model decoding `rows` rows over `cached` positions; None where
-    it runs eagerly (not registered, or a size of 1, which would compile once more: see `update_states`)."""
-    if not is_compiled(model) or min(rows, cached) < 2:
+    a size of 1 would compile it once more (see `update_states`): that step runs eagerly."""
+    if min(rows, cached) < 2:
         return None
     return _compiled("decode", decode_step)

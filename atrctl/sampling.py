@@ -147,8 +147,6 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
     from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer, Preallocated):
-        drops_rows = True  # batch_select_indices drops every state it keeps (`can_drop_rows`)
-
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.device, self.is_initialized, self.length = key_states.device, True, 0
@@ -213,8 +211,7 @@ def can_drop_rows(cache) -> bool:
     other states, so their rows stay in the batch to the end."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    return all(getattr(type(layer), "drops_rows", False) or type(layer) is DynamicSlidingWindowLayer
-               for layer in cache.layers)  # fmt: skip
+    return all(isinstance(layer, Preallocated) or type(layer) is DynamicSlidingWindowLayer for layer in cache.layers)
 
 
 DECODE_ATTENTION = "atrctl-cpu-decode"
@@ -312,6 +309,8 @@ def sample(
     logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
     cache = preallocated_cache(model, capacity=prompt.shape[1] + max_new_tokens)
     compact = compact and can_drop_rows(cache)
+    # model.compile: decoding steps through decoder_pass.decode_step, which reads the preallocated buffers
+    compiled = decoder_pass.is_compiled(model) and all(isinstance(layer, Preallocated) for layer in cache.layers)
     with torch.inference_mode(), decode_attention(model):
         positions = position_ids(distinct_mask)
         logits = model(
@@ -338,8 +337,8 @@ def sample(
                 done = done[keep]
             mask = torch.cat([mask, torch.ones_like(done[:, None], dtype=mask.dtype)], dim=-1)
             positions = positions[:, -1:] + 1
-            step = decoder_pass.compiled_decode_step(model, len(done), cache.get_seq_length())
-            if step is not None and all(isinstance(layer, Preallocated) for layer in cache.layers):
+            step = decoder_pass.compiled_decode_step(len(done), cache.get_seq_length()) if compiled else None
+            if step is not None:
                 logits = _decode_on_buffers(step, model, token, positions, mask, cache)
             else:
                 logits = model(

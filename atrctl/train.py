@@ -56,7 +56,7 @@ from atrctl.checkpoint import (
     write_checkpoint,
 )
 from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
-from atrctl.decoder_pass import compile_update
+from atrctl.decoder_pass import compile_policy
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, metric_reduction, policy_loss
@@ -808,7 +808,7 @@ def build_run(
         model.to(compute.device)
     model.train()
     if recipe.model.compile:
-        compile_update(model)
+        compile_policy(model)
     sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
     bf16 = compute.device.type == "cuda" and compute.autocast_enabled  # FSDP gathers in bf16 where it computes so
     if sharded:

@@ -25,7 +25,7 @@ TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
     python benchmarks/vs_trl.py                         # tiny, default recipe batch, 5 pairs
     python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7
     python benchmarks/vs_trl.py --preset medium --autocast off        # float32 on both, whatever the CPU
-    python benchmarks/vs_trl.py --compile                # atrctl's update compiled (model.compile), TRL eager
+    python benchmarks/vs_trl.py --compile                # atrctl's model.compile (update, decoding), TRL eager
     python benchmarks/vs_trl.py --device cuda --preset qwen2.5-0.5b-shape --max-new-tokens 256   # bf16 on both
 """
 
@@ -261,7 +261,7 @@ def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
     )
     if args.compile:
         seconds = spread([pair["atrctl"]["warmup"] for pair in pairs])
-        print(f"\natrctl compiled its update (TRL eager); its {args.warmup} unmeasured steps took {seconds} s")
+        print(f"\natrctl compiled its update and decoding (TRL eager); {args.warmup} unmeasured steps: {seconds} s")
     print("\nstep breakdown, mean ms per step (share); TRL's from its own profiling blocks, its update = the rest")
     ours, theirs = breakdown([pair["atrctl"] for pair in pairs]), dict(breakdown([pair["trl"] for pair in pairs]))
     print(f"  {'phase':9} {'atrctl':>16} {'TRL':>16}")
@@ -305,7 +305,8 @@ def main() -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="atrctl's model.compile (its update's passes compiled, after the unmeasured steps); TRL stays eager",
+        help="atrctl's model.compile (its update passes and decoding steps, compiled in the unmeasured steps); TRL "
+        "stays eager",
     )
     parser.add_argument("--worker", choices=["atrctl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)

@@ -8,7 +8,7 @@ from test_forward import group_rollout, small_model, values_and_gradients
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from atrctl import decoder_pass, forward
-from atrctl.decoder_pass import compile_update, decoder_inputs, decoder_states, supports
+from atrctl.decoder_pass import compile_policy, decoder_inputs, decoder_states, supports
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs_and_entropy
 from atrctl.sharding import check_can_shard
@@ -109,7 +109,7 @@ def test_models_it_does_not_reproduce_are_refused_and_train_eagerly():
     for name, model in unsupported_models().items():
         assert not supports(model), name
         with pytest.warns(UserWarning, match="it runs eagerly"):
-            assert not compile_update(model)
+            assert not compile_policy(model)
         assert not decoder_pass.is_compiled(model), name
 
 
@@ -141,7 +141,7 @@ def test_micro_batches_with_a_size_of_one_run_the_same_function_eagerly(monkeypa
     """Sizes 0 and 1 would each compile again: one row, one prompt, a one-token prompt, two-token completions."""
     counter = counting_compiler(monkeypatch, "states", decoder_states, "eager")
     model = small_model("llama")
-    assert compile_update(model)
+    assert compile_policy(model)
     for shape in [dict(groups=1, group=4), dict(groups=1, group=1), dict(groups=1, group=3, prompt=1),
                   dict(groups=2, group=3, completion=2)]:  # fmt: skip
         rollout = group_rollout(seed=5, **shape)
@@ -161,7 +161,7 @@ def test_one_inductor_compilation_serves_every_micro_batch_shape_with_the_eager_
     model = small_model("qwen2")
     model.get_decoder().layers = model.get_decoder().layers[:1]  # one layer compiles in half the time
     model.config.num_hidden_layers = 1
-    assert compile_update(model)
+    assert compile_policy(model)
     compiled = []  # frames compiled after each shape (the first shape's include an empty one)
     for seed, shape in enumerate([dict(groups=3, group=4, prompt=6, completion=9),
                                   dict(groups=2, group=3, prompt=11, completion=5),
@@ -232,7 +232,7 @@ def test_compiled_sampling_draws_the_eager_tokens_while_rows_leave_the_batch(mon
                       generator=torch.Generator().manual_seed(0))  # fmt: skip
 
     eager = rollout()
-    assert compile_update(model)
+    assert compile_policy(model)
     compiled = rollout()
     lengths = eager.completion_mask.sum(1)
     assert lengths.min() < lengths.max() and lengths.min() < 24  # rows did end at different steps
@@ -254,7 +254,7 @@ def compiled_equals_eager(device: str) -> None:
 
     torch._dynamo.reset()
     eager, compiled = small_model("qwen2").to(device), small_model("qwen2").to(device)
-    assert compile_update(compiled)
+    assert compile_policy(compiled)
     rollout = group_rollout(seed=8)
     rollout = type(rollout)(*(getattr(rollout, f).to(device) for f in rollout.__dataclass_fields__))
 
