@@ -161,5 +161,8 @@ def concat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
 
 def equal_runs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(index of each run's first row, run lengths) of consecutive equal rows: a GRPO group's shared prompt."""
-    counts = torch.unique_consecutive(rows, dim=0, return_counts=True)[1]
-    return counts.cumsum(0) - counts, counts
+    starts = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+    starts[1:] = (rows[1:] != rows[:-1]).any(dim=1)  # row-wise unique_consecutive: one equality call per row
+    first = starts.nonzero().squeeze(1)
+    counts = torch.diff(first, append=first.new_tensor([len(rows)]))
+    return first, counts

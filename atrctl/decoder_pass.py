@@ -62,7 +62,7 @@ def update_states(model: PreTrainedModel, rollout: Rollout) -> torch.Tensor:
     torch.compile specialises sizes 0 and 1 even with dynamic shapes, so a micro-batch with one row, one
     distinct prompt, a one-token prompt or completions of at most two tokens would compile once more (seen:
     one recompilation each); those rare micro-batches run the same function eagerly instead."""
-    inputs = decoder_inputs(rollout)
+    inputs = decoder_inputs(model, rollout)
     sizes = (*inputs.prompt_ids.shape, *inputs.completion_ids.shape)
     if min(sizes) >= 2:
         return _compiled("states", decoder_states)(model, inputs)
@@ -96,26 +96,33 @@ def supports(model: PreTrainedModel) -> bool:
     )
 
 
+Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), [rows, L, head_dim] each
+
+
 @dataclass
 class DecoderInputs:
     """A micro-batch laid out for `decoder_states`: the distinct prompts once, each row's completion after it."""
 
     prompt_ids: torch.Tensor  # [D, P] the distinct prompts (D runs of consecutive equal rows)
-    prompt_positions: torch.Tensor  # [D, P]
     prompt_mask: torch.Tensor  # [D, 1, P, P] bool, True = attend (causal, padding, each position itself)
-    owner: torch.Tensor  # [B] the distinct prompt of each row
+    prompt_rope: Rotary  # [D, P, head_dim] each
+    owner: torch.Tensor  # [B, D] float one-hot: row b's distinct prompt
     completion_ids: torch.Tensor  # [B, T-1] every completion token that predicts a next one
-    completion_positions: torch.Tensor  # [B, T-1]
     completion_mask: torch.Tensor  # [B, 1, T-1, P + T-1] bool
+    completion_rope: Rotary  # [B, T-1, head_dim] each
 
 
-def decoder_inputs(rollout: Rollout) -> DecoderInputs:
-    """The rows' inputs with their shared prompts found (`batching.equal_runs`) and their masks built."""
+def decoder_inputs(model: PreTrainedModel, rollout: Rollout) -> DecoderInputs:
+    """The rows' inputs with their shared prompts found (`batching.equal_runs`), their masks and rotary
+    phases built: all of it outside the compiled function, whose backward would otherwise recompute the
+    phases' cos and sin (a probe's profile: the rotary backward kernels were the largest part of a tiny
+    model's compiled backward)."""
     prompt, prompt_mask, completion = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
     mask = torch.cat([prompt_mask, rollout.completion_mask], dim=1).bool()
     positions = position_ids(mask.long())
     first, counts = equal_runs(torch.cat([prompt, prompt_mask], dim=1))
     owner = torch.repeat_interleave(torch.arange(len(counts), device=prompt.device), counts)
+    owner = F.one_hot(owner, len(counts)).float()
     width, steps = prompt.shape[1], completion.shape[1] - 1
 
     def causal(size: int) -> torch.Tensor:
@@ -134,14 +141,15 @@ def decoder_inputs(rollout: Rollout) -> DecoderInputs:
         ],
         dim=-1,
     )
+    decoder = model.get_decoder()
     return DecoderInputs(
         prompt[first],
-        positions[first, :width],
         on_prompt,
+        rotary(decoder, positions[first, :width]),
         owner,
         completion[:, :steps],
-        positions[:, width : width + steps],
         on_completion,
+        rotary(decoder, positions[:, width : width + steps]),
     )
 
 
@@ -154,40 +162,52 @@ def decoder_states(model: PreTrainedModel, inputs: DecoderInputs) -> torch.Tenso
     """
     decoder = model.get_decoder()
     on_prompt = decoder.embed_tokens(inputs.prompt_ids)  # [D, P, H]
-    prompt_rope = _rotary(decoder, on_prompt, inputs.prompt_positions)
     steps = inputs.completion_ids.shape[1]
     if steps:  # completions of one token have no token that predicts another
         on_completion = decoder.embed_tokens(inputs.completion_ids)  # [B, T-1, H]
-        completion_rope = _rotary(decoder, on_completion, inputs.completion_positions)
     for layer in decoder.layers:
         attention = layer.self_attn
-        q, k, v = _projections(attention, layer.input_layernorm(on_prompt), prompt_rope)
+        q, k, v = _projections(attention, layer.input_layernorm(on_prompt), inputs.prompt_rope)
         on_prompt = on_prompt + _attend(attention, q, k, v, inputs.prompt_mask)
         if steps:  # the completions attend to their prompt's keys and values, then to their own
-            q, k_new, v_new = _projections(attention, layer.input_layernorm(on_completion), completion_rope)
-            k = torch.cat([k.index_select(0, inputs.owner), k_new], dim=2)
-            v = torch.cat([v.index_select(0, inputs.owner), v_new], dim=2)
+            q, k_new, v_new = _projections(attention, layer.input_layernorm(on_completion), inputs.completion_rope)
+            k = torch.cat([_to_rows(k, inputs.owner), k_new], dim=2)
+            v = torch.cat([_to_rows(v, inputs.owner), v_new], dim=2)
             on_completion = on_completion + _attend(attention, q, k, v, inputs.completion_mask)
             on_completion = on_completion + layer.mlp(layer.post_attention_layernorm(on_completion))
         on_prompt = on_prompt + layer.mlp(layer.post_attention_layernorm(on_prompt))
-    last = decoder.norm(on_prompt[:, -1:]).index_select(0, inputs.owner)  # [B, 1, H]
+    last = _to_rows(decoder.norm(on_prompt[:, -1:]), inputs.owner)  # [B, 1, H]
     return torch.cat([last, decoder.norm(on_completion)], dim=1) if steps else last
 
 
-def _rotary(decoder, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [rows, 1, L, head_dim], as the decoder's rotary module computes them."""
-    cos, sin = decoder.rotary_emb(hidden, positions)
-    return cos[:, None], sin[:, None]
+def rotary(decoder, positions: torch.Tensor) -> Rotary:
+    """The rotary phases of `positions` [rows, L], as the decoder's rotary module computes them for its
+    embeddings' dtype; constants of the pass (no gradient)."""
+    embeddings = decoder.embed_tokens.weight
+    cos, sin = decoder.rotary_emb(embeddings[:1], positions)  # the module reads only dtype and device
+    for phase in (cos, sin):  # head_dim is the model's: as a symbol, a size equal to it at the first
+        torch._dynamo.mark_static(phase, 2)  # compilation (16 rows, head_dim 16) would share it and stay fixed
+    return cos, sin
 
 
-def _projections(attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+def _to_rows(per_prompt: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """Each row's copy of its prompt's tensor: [D, ...] -> [B, ...], as a product with the one-hot `owner`
+    [B, D].  Its gradient (each prompt's sum over its rows) is then a product too; as index_select and
+    index_add the compiled pair took 2-3% of a medium model's update in a profile (scalar scatter loops).
+    Exact in any dtype: one term per sum, and autocast off so that nothing is rounded on the way."""
+    with torch.autocast(per_prompt.device.type, enabled=False):
+        rows = owner.to(per_prompt.dtype) @ per_prompt.flatten(1)
+    return rows.view(owner.shape[0], *per_prompt.shape[1:])
+
+
+def _projections(attention, x: torch.Tensor, rope: Rotary):
     """Queries and keys with their rotary phases, and values: [rows, heads, L, head_dim] each."""
     rows, length = x.shape[:2]
     shape = (rows, length, -1, attention.head_dim)
     q = attention.q_proj(x).view(shape).transpose(1, 2)
     k = attention.k_proj(x).view(shape).transpose(1, 2)
     v = attention.v_proj(x).view(shape).transpose(1, 2)
-    cos, sin = rope
+    cos, sin = rope[0][:, None], rope[1][:, None]  # one phase for every head
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
@@ -208,7 +228,7 @@ def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 def decode_step(
     model: PreTrainedModel,
     token: torch.Tensor,
-    positions: torch.Tensor,
+    rope: Rotary,
     key_mask: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
@@ -216,17 +236,16 @@ def decode_step(
     """One decoding step of every row: (last-position logits [B, V], each layer's new key and value
     [B, H_kv, 1, D]).
 
-    token [B], positions [B, 1], key_mask [B, S + 1] bool (True = attend; the last column is the new
-    token), keys/values: each layer's cached [B, H_kv, S, D] (views of the sampler's buffers).  The cache
-    is read, never written: the caller appends the new keys and values.  Compiled with the writes inside
-    (into its inputs, which compiled code may copy back whole) the step was barely faster than eager in a
-    probe; attending to the cache and to the new key separately (one softmax over both) keeps it free of
-    writes.  Same function as transformers'
+    token [B], rope: `rotary` of its positions [B, 1], key_mask [B, S + 1] bool (True = attend; the last
+    column is the new token), keys/values: each layer's cached [B, H_kv, S, D] (views of the sampler's
+    buffers).  The cache is read, never written: the caller appends the new keys and values.  Compiled with
+    the writes inside (into its inputs, which compiled code may copy back whole) the step was barely faster
+    than eager in a probe; attending to the cache and to the new key separately (one softmax over both)
+    keeps it free of writes.  Same function as transformers'
     decoding step with `sampling._cpu_decode_attention`, to float rounding (tested).
     """
     decoder = model.get_decoder()
     hidden = decoder.embed_tokens(token[:, None])  # [B, 1, H]
-    rope = _rotary(decoder, hidden, positions)
     new_keys, new_values = [], []
     for layer, cached_keys, cached_values in zip(decoder.layers, keys, values, strict=True):
         attention = layer.self_attn

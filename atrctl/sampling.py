@@ -196,8 +196,9 @@ def _decode_on_buffers(step, model: PreTrainedModel, token, positions, mask, cac
     """One decoding step through `decoder_pass.decode_step` (compiled): it reads the cache's filled
     positions, and its new keys and values are appended here, in place."""
     layers = cache.layers
+    rope = decoder_pass.rotary(model.get_decoder(), positions)  # outside the compiled step: no cos/sin there
     logits, keys, values = step(
-        model, token, positions, mask.bool(), [layer.keys for layer in layers], [layer.values for layer in layers]
+        model, token, rope, mask.bool(), [layer.keys for layer in layers], [layer.values for layer in layers]
     )
     for layer, key, value in zip(layers, keys, values, strict=True):
         layer.update(key, value)

@@ -8,7 +8,7 @@ from test_forward import group_rollout, small_model, values_and_gradients
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from atrctl import decoder_pass, forward
-from atrctl.decoder_pass import compile_policy, decoder_inputs, decoder_states, supports
+from atrctl.decoder_pass import compile_policy, decoder_inputs, decoder_states, rotary, supports
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs_and_entropy
 from atrctl.sharding import check_can_shard
@@ -20,7 +20,7 @@ def transformers_states(model, rollout):
 
 
 def ours(model, rollout):
-    return decoder_states(model, decoder_inputs(rollout))
+    return decoder_states(model, decoder_inputs(model, rollout))
 
 
 def states_and_gradients(function, model, rollout):
@@ -207,7 +207,7 @@ def test_a_decoding_step_equals_transformers_step_on_the_same_cache(arch):
     logits, before, after, mask, step = transformers_step(model, rollout.prompt_ids, rollout.prompt_mask, token)
     with torch.no_grad():
         got, keys, values = decoder_pass.decode_step(
-            model, token, step, mask.bool(), [k for k, _ in before], [v for _, v in before]
+            model, token, rotary(model.get_decoder(), step), mask.bool(), [k for k, _ in before], [v for _, v in before]
         )
     torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5)
     for (k, v), new_k, new_v in zip(after, keys, values, strict=True):

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from atrctl.batching import (
     concat_rollouts,
+    equal_runs,
     least_padding_cut,
     micro_batches,
     parts,
@@ -148,6 +149,14 @@ def test_the_least_padding_cut_is_the_cheapest_of_every_cut():
         assert cut_cost(sizes, longest_first, cap, pass_tokens) == min(
             cut_cost(other, longest_first, cap, pass_tokens) for other in every
         )
+
+
+def test_equal_runs_finds_consecutive_equal_rows_only():
+    a, b = [1, 2, 0], [1, 3, 0]
+    first, counts = equal_runs(torch.tensor([a, a, b, a, a, a]))  # a returns after b: a run of its own
+    assert first.tolist() == [0, 2, 3] and counts.tolist() == [2, 1, 3]
+    assert [t.tolist() for t in equal_runs(torch.tensor([b]))] == [[0], [1]]
+    assert [t.tolist() for t in equal_runs(torch.zeros(0, 3, dtype=torch.long))] == [[], []]
 
 
 def test_concat_rollouts_pads_prompts_left_and_completions_right():
