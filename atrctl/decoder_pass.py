@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,8 +73,22 @@ def update_states(model: PreTrainedModel, rollout: Rollout) -> torch.Tensor:
 def _compiled(name: str, function):
     """`function` compiled once per process with dynamic shapes (every model and size shares it)."""
     if name not in _COMPILED_FUNCTIONS:
-        _COMPILED_FUNCTIONS[name] = torch.compile(function, dynamic=True)
+        _COMPILED_FUNCTIONS[name] = compile_dynamic(function)
     return _COMPILED_FUNCTIONS[name]
+
+
+def compile_dynamic(function, backend: str | Callable = "inductor"):
+    """torch.compile(function) with every size a symbol of its own.  By default torch gives sizes that are
+    equal at the first compilation one symbol ("duck sizing"), so a micro-batch of 16 rows on a model
+    with head_dim 16, or a prompt as wide as the completions, would guard on that equality and compile
+    again once it fails (seen)."""
+    compiled = torch.compile(function, backend=backend, dynamic=True)
+
+    def run(*args):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # read when a compilation starts
+            return compiled(*args)
+
+    return run
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -96,7 +111,7 @@ def supports(model: PreTrainedModel) -> bool:
     )
 
 
-Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), [rows, L, head_dim] each
+Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), [*positions' shape, head_dim] each
 
 
 @dataclass
@@ -105,11 +120,10 @@ class DecoderInputs:
 
     prompt_ids: torch.Tensor  # [D, P] the distinct prompts (D runs of consecutive equal rows)
     prompt_mask: torch.Tensor  # [D, 1, P, P] bool, True = attend (causal, padding, each position itself)
-    prompt_rope: Rotary  # [D, P, head_dim] each
     owner: torch.Tensor  # [B, D] float one-hot: row b's distinct prompt
     completion_ids: torch.Tensor  # [B, T-1] every completion token that predicts a next one
     completion_mask: torch.Tensor  # [B, 1, T-1, P + T-1] bool
-    completion_rope: Rotary  # [B, T-1, head_dim] each
+    rope: Rotary  # [D·P + B·(T-1), head_dim] each: the prompts' positions, then the completions', flattened
 
 
 def decoder_inputs(model: PreTrainedModel, rollout: Rollout) -> DecoderInputs:
@@ -141,15 +155,14 @@ def decoder_inputs(model: PreTrainedModel, rollout: Rollout) -> DecoderInputs:
         ],
         dim=-1,
     )
-    decoder = model.get_decoder()
+    flat_positions = torch.cat([positions[first, :width].flatten(), positions[:, width : width + steps].flatten()])
     return DecoderInputs(
         prompt[first],
         on_prompt,
-        rotary(decoder, positions[first, :width]),
         owner,
         completion[:, :steps],
         on_completion,
-        rotary(decoder, positions[:, width : width + steps]),
+        rotary(model.get_decoder(), flat_positions),
     )
 
 
@@ -157,37 +170,44 @@ def decoder_states(model: PreTrainedModel, inputs: DecoderInputs) -> torch.Tenso
     """The decoder's last hidden states at the positions that predict each completion token: [B, T, H].
 
     Column 0 is the prompt's last position (it predicts the first token), column t the completion's token
-    t - 1.  The prompt runs once per distinct prompt; its keys and values are then indexed to its rows, so
-    gradients reach the prompt's activations through every completion of the group.
+    t - 1.  The prompt runs once per distinct prompt; its keys and values are then copied to its rows, so
+    gradients reach the prompt's activations through every completion of the group.  Prompt and completion
+    positions travel as one [D·P + B·(T-1), H] matrix through every position-wise step (norms, projections,
+    MLP: one matrix product each instead of two smaller ones) and part only for attention.
     """
     decoder = model.get_decoder()
-    on_prompt = decoder.embed_tokens(inputs.prompt_ids)  # [D, P, H]
-    steps = inputs.completion_ids.shape[1]
-    if steps:  # completions of one token have no token that predicts another
-        on_completion = decoder.embed_tokens(inputs.completion_ids)  # [B, T-1, H]
+    distinct, width = inputs.prompt_ids.shape
+    rows, steps = inputs.completion_ids.shape
+    split = distinct * width  # positions [0, split) are the prompts', the rest the completions'
+    hidden = decoder.embed_tokens(torch.cat([inputs.prompt_ids.flatten(), inputs.completion_ids.flatten()]))
     for layer in decoder.layers:
         attention = layer.self_attn
-        q, k, v = _projections(attention, layer.input_layernorm(on_prompt), inputs.prompt_rope)
-        on_prompt = on_prompt + _attend(attention, q, k, v, inputs.prompt_mask)
+        q, k, v = _projections(attention, layer.input_layernorm(hidden), inputs.rope)  # [N, heads, head_dim]
+
+        def prompts(t: torch.Tensor) -> torch.Tensor:  # [D, heads, P, head_dim]
+            return t[:split].view(distinct, width, *t.shape[1:]).transpose(1, 2)
+
+        def completions(t: torch.Tensor) -> torch.Tensor:  # [B, heads, T-1, head_dim]
+            return t[split:].view(rows, steps, *t.shape[1:]).transpose(1, 2)
+
+        out = [_attend(attention, prompts(q), prompts(k), prompts(v), inputs.prompt_mask).flatten(0, 1)]
         if steps:  # the completions attend to their prompt's keys and values, then to their own
-            q, k_new, v_new = _projections(attention, layer.input_layernorm(on_completion), inputs.completion_rope)
-            k = torch.cat([_to_rows(k, inputs.owner), k_new], dim=2)
-            v = torch.cat([_to_rows(v, inputs.owner), v_new], dim=2)
-            on_completion = on_completion + _attend(attention, q, k, v, inputs.completion_mask)
-            on_completion = on_completion + layer.mlp(layer.post_attention_layernorm(on_completion))
-        on_prompt = on_prompt + layer.mlp(layer.post_attention_layernorm(on_prompt))
-    last = _to_rows(decoder.norm(on_prompt[:, -1:]), inputs.owner)  # [B, 1, H]
-    return torch.cat([last, decoder.norm(on_completion)], dim=1) if steps else last
+            keys = torch.cat([_to_rows(prompts(k), inputs.owner), completions(k)], dim=2)
+            values = torch.cat([_to_rows(prompts(v), inputs.owner), completions(v)], dim=2)
+            out.append(_attend(attention, completions(q), keys, values, inputs.completion_mask).flatten(0, 1))
+        hidden = hidden + attention.o_proj(torch.cat(out) if steps else out[0])
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    last = decoder.norm(hidden[:split].view(distinct, width, -1)[:, -1:])  # [D, 1, H]
+    last = _to_rows(last, inputs.owner)  # [B, 1, H]
+    return torch.cat([last, decoder.norm(hidden[split:].view(rows, steps, -1))], dim=1) if steps else last
 
 
 def rotary(decoder, positions: torch.Tensor) -> Rotary:
-    """The rotary phases of `positions` [rows, L], as the decoder's rotary module computes them for its
-    embeddings' dtype; constants of the pass (no gradient)."""
+    """The rotary phases of `positions` (any shape), as the decoder's rotary module computes them for its
+    embeddings' dtype: [*positions.shape, head_dim] each; constants of the pass (no gradient)."""
     embeddings = decoder.embed_tokens.weight
-    cos, sin = decoder.rotary_emb(embeddings[:1], positions)  # the module reads only dtype and device
-    for phase in (cos, sin):  # head_dim is the model's: as a symbol, a size equal to it at the first
-        torch._dynamo.mark_static(phase, 2)  # compilation (16 rows, head_dim 16) would share it and stay fixed
-    return cos, sin
+    cos, sin = decoder.rotary_emb(embeddings[:1], positions.reshape(1, -1))  # it reads only dtype and device
+    return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
 
 def _to_rows(per_prompt: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
@@ -201,13 +221,11 @@ def _to_rows(per_prompt: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
 
 
 def _projections(attention, x: torch.Tensor, rope: Rotary):
-    """Queries and keys with their rotary phases, and values: [rows, heads, L, head_dim] each."""
-    rows, length = x.shape[:2]
-    shape = (rows, length, -1, attention.head_dim)
-    q = attention.q_proj(x).view(shape).transpose(1, 2)
-    k = attention.k_proj(x).view(shape).transpose(1, 2)
-    v = attention.v_proj(x).view(shape).transpose(1, 2)
-    cos, sin = rope[0][:, None], rope[1][:, None]  # one phase for every head
+    """Queries and keys with their rotary phases, and values, of positions x [..., H]: [..., heads, head_dim]
+    each (rope: [..., head_dim])."""
+    shape = (*x.shape[:-1], -1, attention.head_dim)
+    q, k, v = (projection(x).view(shape) for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
+    cos, sin = rope[0].unsqueeze(-2), rope[1].unsqueeze(-2)  # one phase for every head
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
@@ -217,12 +235,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q·kᵀ·scale + mask)·v through the output projection: [rows, L, H]."""
+    """softmax(q·kᵀ·scale + mask)·v of q [rows, heads, L, head_dim], heads side by side: [rows, L, heads·head_dim]
+    (the output projection's input)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # grouped-query attention: each KV head serves `groups` query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attention.scaling)
-    return attention.o_proj(out.transpose(1, 2).flatten(2))
+    return out.transpose(1, 2).flatten(2)
 
 
 def decode_step(
@@ -249,7 +268,7 @@ def decode_step(
     new_keys, new_values = [], []
     for layer, cached_keys, cached_values in zip(decoder.layers, keys, values, strict=True):
         attention = layer.self_attn
-        q, k, v = _projections(attention, layer.input_layernorm(hidden), rope)
+        q, k, v = (t.transpose(1, 2) for t in _projections(attention, layer.input_layernorm(hidden), rope))
         new_keys.append(k)
         new_values.append(v)
         rows, heads, _, dim = q.shape
