@@ -1,16 +1,17 @@
 """The update's decoder pass for Llama-family models, written as one function over the model's own modules.
 
 `forward._completion_outputs` gets the same states through transformers' `LlamaModel.forward` twice (the
-group's shared prompt once, then the completions on its KV cache).  That path builds a DynamicCache, a
-4-D mask per call and a chain of decorators; here the loop over layers is ours and calls the model's own
-norms, projections and MLPs (so LoRA adapters inside them still apply), with rotary phases, masks and
-SDPA computed once per pass.  Same arithmetic as transformers' (tested to 1e-6, gradients included).
+group's shared prompt once, then the completions on its KV cache).  Here the loop over layers is ours and
+calls the model's own norms, projections and MLPs (so LoRA adapters inside them still apply), with
+rotary phases, masks and SDPA computed once per pass, and the prompts' and completions' positions go
+through each position-wise step as one matrix (`decoder_states`).  Same arithmetic as transformers'
+(tested to 1e-6, gradients included), and faster eagerly too (`benchmarks/update_pass.py`): every model
+it supports takes it.
 
 Being a plain function of tensors, it is what `torch.compile` takes, with dynamic shapes, so one
 compilation serves every micro-batch's rows and widths (`model.compile`, `compile_policy`); the
 data-dependent parts (which rows share a prompt) stay outside it, in `decoder_inputs`.  `decode_step` is
-the sampler's twin: one new token per row on the preallocated KV cache.  Eager runs keep transformers'
-forward: uncompiled, this pass was no faster than it in a probe (within noise).
+the sampler's twin, used when compiled: one new token per row on the preallocated KV cache.
 
 Only models whose every layer is known to compute this function take it (`supports`): Llama and Qwen2
 decoders with full attention, a static rotary table, no attention dropout while training, no activation
@@ -58,14 +59,14 @@ def is_compiled(model: PreTrainedModel) -> bool:
 
 
 def update_states(model: PreTrainedModel, rollout: Rollout) -> torch.Tensor:
-    """`decoder_states` of the rollout's rows, compiled (for a model `compile_policy` registered).
+    """`decoder_states` of the rollout's rows, compiled for a model `compile_policy` registered, else eager.
 
     torch.compile specialises sizes 0 and 1 even with dynamic shapes, so a micro-batch with one row, one
     distinct prompt, a one-token prompt or completions of at most two tokens would compile once more (seen:
     one recompilation each); those rare micro-batches run the same function eagerly instead."""
     inputs = decoder_inputs(model, rollout)
     sizes = (*inputs.prompt_ids.shape, *inputs.completion_ids.shape)
-    if min(sizes) >= 2:
+    if is_compiled(model) and min(sizes) >= 2:
         return _compiled("states", decoder_states)(model, inputs)
     return decoder_states(model, inputs)
 

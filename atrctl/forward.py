@@ -112,7 +112,7 @@ def _completion_states(model: PreTrainedModel, rollout: Rollout) -> tuple[torch.
             return _single_pass(_through_root(model), rollout, lambda out: out, False), model.get_output_embeddings()
         return _single_pass(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
     if head_is_linear(model):
-        if decoder_pass.is_compiled(model):
+        if decoder_pass.supports(model):  # Llama, Qwen2: atrctl's own pass, compiled under model.compile
             states = decoder_pass.update_states(model, rollout)
         else:
             states = _completion_outputs(model.get_decoder(), rollout, lambda out: out.last_hidden_state, False)
