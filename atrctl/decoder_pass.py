@@ -140,21 +140,10 @@ def decoder_inputs(model: PreTrainedModel, rollout: Rollout) -> DecoderInputs:
     owner = F.one_hot(owner, len(counts)).float()
     width, steps = prompt.shape[1], completion.shape[1] - 1
 
-    def causal(size: int) -> torch.Tensor:
-        return torch.ones(size, size, dtype=torch.bool, device=prompt.device).tril()
-
-    def itself(size: int) -> torch.Tensor:
-        return torch.eye(size, dtype=torch.bool, device=prompt.device)
-
-    # True = attend: real keys at or before the query; and every query its own key, so that a padded one
-    # (which sees no real key) keeps a finite softmax; its output is never read
-    on_prompt = (mask[first, None, None, :width] & causal(width)) | itself(width)
+    # a completion token attends to its prompt's real tokens, then causally to its own completion
+    on_prompt = causal_mask(mask[first, :width])
     on_completion = torch.cat(
-        [
-            mask[:, None, None, :width].expand(-1, 1, steps, width),
-            (mask[:, None, None, width : width + steps] & causal(steps)) | itself(steps),
-        ],
-        dim=-1,
+        [mask[:, None, None, :width].expand(-1, 1, steps, width), causal_mask(mask[:, width : width + steps])], dim=-1
     )
     flat_positions = torch.cat([positions[first, :width].flatten(), positions[:, width : width + steps].flatten()])
     return DecoderInputs(
@@ -165,6 +154,15 @@ def decoder_inputs(model: PreTrainedModel, rollout: Rollout) -> DecoderInputs:
         on_completion,
         rotary(model.get_decoder(), flat_positions),
     )
+
+
+def causal_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, L, L] bool of padding masks [rows, L], True = attend: real keys at or before the query; and
+    every query its own key, so that a padded one (which sees no real key) keeps a finite softmax (its output
+    is never read, and its key is masked wherever it is cached)."""
+    length = mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    return (mask.bool()[:, None, None, :] & causal) | torch.eye(length, dtype=torch.bool, device=mask.device)
 
 
 def decoder_states(model: PreTrainedModel, inputs: DecoderInputs) -> torch.Tensor:
@@ -245,6 +243,26 @@ def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return out.transpose(1, 2).flatten(2)
 
 
+def prefill(
+    model: PreTrainedModel, prompt_ids: torch.Tensor, rope: Rotary, mask: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The sampler's first pass over the (left-padded) prompts [D, P]: (the last position's logits [D, V],
+    each layer's keys and values [D, H_kv, P, head_dim], for the sampler to write into its cache).
+    rope: `rotary` of the prompts' positions; mask: `causal_mask` of their padding.  Same function as
+    transformers' prefill, to float rounding (tested)."""
+    decoder = model.get_decoder()
+    hidden = decoder.embed_tokens(prompt_ids)  # [D, P, H]
+    keys, values = [], []
+    for layer in decoder.layers:
+        attention = layer.self_attn
+        q, k, v = (t.transpose(1, 2) for t in _projections(attention, layer.input_layernorm(hidden), rope))
+        keys.append(k)
+        values.append(v)
+        hidden = hidden + attention.o_proj(_attend(attention, q, k, v, mask))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.get_output_embeddings()(decoder.norm(hidden[:, -1])), keys, values
+
+
 def decode_step(
     model: PreTrainedModel,
     token: torch.Tensor,
@@ -283,6 +301,11 @@ def decode_step(
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     logits = model.get_output_embeddings()(decoder.norm(hidden))[:, 0]
     return logits, new_keys, new_values
+
+
+def compiled_prefill(rows: int, width: int):
+    """`prefill`, compiled unless a size of 1 would compile it once more (see `update_states`)."""
+    return _compiled("prefill", prefill) if min(rows, width) >= 2 else prefill
 
 
 def compiled_decode_step(rows: int, cached: int):

@@ -192,6 +192,17 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
     return cache
 
 
+def _prefill_on_buffers(model: PreTrainedModel, prompt_ids, prompt_mask, positions, cache) -> torch.Tensor:
+    """The prompts' pass through `decoder_pass.prefill` (compiled): its keys and values written into the
+    cache here; the last position's logits [D, V]."""
+    step = decoder_pass.compiled_prefill(*prompt_ids.shape)
+    rope = decoder_pass.rotary(model.get_decoder(), positions)
+    logits, keys, values = step(model, prompt_ids, rope, decoder_pass.causal_mask(prompt_mask))
+    for layer, key, value in zip(cache.layers, keys, values, strict=True):
+        layer.update(key, value)
+    return logits
+
+
 def _decode_on_buffers(step, model: PreTrainedModel, token, positions, mask, cache) -> torch.Tensor:
     """One decoding step through `decoder_pass.decode_step` (compiled): it reads the cache's filled
     positions, and its new keys and values are appended here, in place."""
@@ -310,13 +321,16 @@ def sample(
     logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
     cache = preallocated_cache(model, capacity=prompt.shape[1] + max_new_tokens)
     compact = compact and can_drop_rows(cache)
-    # model.compile: decoding steps through decoder_pass.decode_step, which reads the preallocated buffers
+    # model.compile: the prefill and decoding steps through decoder_pass, which fill the preallocated buffers
     compiled = decoder_pass.is_compiled(model) and all(isinstance(layer, Preallocated) for layer in cache.layers)
     with torch.inference_mode(), decode_attention(model):
         positions = position_ids(distinct_mask)
-        logits = model(
-            input_ids=distinct, attention_mask=distinct_mask, position_ids=positions, cache=cache, logits_to_keep=1
-        ).logits[:, -1]
+        if compiled:
+            logits = _prefill_on_buffers(model, distinct, distinct_mask, positions, cache)
+        else:
+            logits = model(
+                input_ids=distinct, attention_mask=distinct_mask, position_ids=positions, cache=cache, logits_to_keep=1
+            ).logits[:, -1]
         if repeats > 1:
             cache.batch_repeat_interleave(repeats)
             positions, logits = positions.repeat_interleave(repeats, dim=0), logits.repeat_interleave(repeats, dim=0)

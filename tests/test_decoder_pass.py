@@ -202,6 +202,27 @@ def transformers_step(model, prompt_ids, prompt_mask, token):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_prefill_equals_transformers_prefill_on_left_padded_prompts(arch):
+    from atrctl.sampling import preallocated_cache
+
+    model = small_model(arch).eval()
+    rollout = group_rollout(seed=7, groups=3, group=1)  # three distinct prompts, padded 0, 2 and 4 tokens
+    prompt_ids, prompt_mask = rollout.prompt_ids, rollout.prompt_mask
+    positions = forward.position_ids(prompt_mask)
+    cache = preallocated_cache(model, prompt_ids.shape[1])
+    with torch.no_grad():
+        want = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache).logits
+        got, keys, values = decoder_pass.prefill(
+            model, prompt_ids, rotary(model.get_decoder(), positions), decoder_pass.causal_mask(prompt_mask)
+        )
+    torch.testing.assert_close(got, want[:, -1], atol=1e-5, rtol=1e-5)
+    real = prompt_mask.bool()[:, None, :, None]  # padded positions' keys are masked wherever they are read
+    for layer, k, v in zip(cache.layers, keys, values, strict=True):
+        torch.testing.assert_close(k * real, layer.keys * real, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v * real, layer.values * real, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_decoding_step_equals_transformers_step_on_the_same_cache(arch):
     model = small_model(arch).eval()
     rollout = group_rollout(seed=6, groups=3, group=2)
