@@ -305,8 +305,8 @@ def main() -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="atrctl's model.compile (its update passes and decoding steps, compiled in the unmeasured steps); TRL "
-        "stays eager",
+        help="atrctl's model.compile (its update passes, prefill and decoding steps, compiled in the unmeasured "
+        "steps); TRL stays eager",
     )
     parser.add_argument("--worker", choices=["atrctl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
