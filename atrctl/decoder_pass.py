@@ -40,9 +40,10 @@ STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # rotary tables that do n
 
 
 def compile_policy(model: PreTrainedModel) -> bool:
-    """Have `model`'s update passes and decode steps run compiled (`update_states`, `decode_step`); False
-    (with a warning) where this module does not reproduce the model, which then runs eagerly.  Compilation
-    happens at the first use: 10-60 s on a 2-core CPU (less when torch's on-disk cache already holds it)."""
+    """Have `model`'s update passes and its sampler's prefill and decode steps run compiled (`update_states`,
+    `prefill`, `decode_step`); False (with a warning) where this module does not reproduce the model, which
+    then runs eagerly.  Compilation happens at the first use: 10-60 s on a 2-core CPU (less when torch's
+    on-disk cache already holds it)."""
     if not supports(model):
         warnings.warn(
             f"model.compile: {type(model).__name__} is not a decoder atrctl compiles (Llama and Qwen2 with full "
@@ -178,17 +179,17 @@ def decoder_states(model: PreTrainedModel, inputs: DecoderInputs) -> torch.Tenso
     distinct, width = inputs.prompt_ids.shape
     rows, steps = inputs.completion_ids.shape
     split = distinct * width  # positions [0, split) are the prompts', the rest the completions'
+
+    def prompts(t: torch.Tensor) -> torch.Tensor:  # [N, heads, head_dim] -> [D, heads, P, head_dim]
+        return t[:split].view(distinct, width, *t.shape[1:]).transpose(1, 2)
+
+    def completions(t: torch.Tensor) -> torch.Tensor:  # [N, heads, head_dim] -> [B, heads, T-1, head_dim]
+        return t[split:].view(rows, steps, *t.shape[1:]).transpose(1, 2)
+
     hidden = decoder.embed_tokens(torch.cat([inputs.prompt_ids.flatten(), inputs.completion_ids.flatten()]))
     for layer in decoder.layers:
         attention = layer.self_attn
         q, k, v = _projections(attention, layer.input_layernorm(hidden), inputs.rope)  # [N, heads, head_dim]
-
-        def prompts(t: torch.Tensor) -> torch.Tensor:  # [D, heads, P, head_dim]
-            return t[:split].view(distinct, width, *t.shape[1:]).transpose(1, 2)
-
-        def completions(t: torch.Tensor) -> torch.Tensor:  # [B, heads, T-1, head_dim]
-            return t[split:].view(rows, steps, *t.shape[1:]).transpose(1, 2)
-
         out = [_attend(attention, prompts(q), prompts(k), prompts(v), inputs.prompt_mask).flatten(0, 1)]
         if steps:  # the completions attend to their prompt's keys and values, then to their own
             keys = torch.cat([_to_rows(prompts(k), inputs.owner), completions(k)], dim=2)
@@ -279,8 +280,8 @@ def decode_step(
     buffers).  The cache is read, never written: the caller appends the new keys and values.  Compiled with
     the writes inside (into its inputs, which compiled code may copy back whole) the step was barely faster
     than eager in a probe; attending to the cache and to the new key separately (one softmax over both)
-    keeps it free of writes.  Same function as transformers'
-    decoding step with `sampling._cpu_decode_attention`, to float rounding (tested).
+    keeps it free of writes.  Same function as transformers' decoding step with
+    `sampling._cpu_decode_attention`, to float rounding (tested).
     """
     decoder = model.get_decoder()
     hidden = decoder.embed_tokens(token[:, None])  # [B, 1, H]
@@ -309,8 +310,6 @@ def compiled_prefill(rows: int, width: int):
 
 
 def compiled_decode_step(rows: int, cached: int):
-    """`decode_step` compiled, for a registered model decoding `rows` rows over `cached` positions; None where
-    a size of 1 would compile it once more (see `update_states`): that step runs eagerly."""
-    if min(rows, cached) < 2:
-        return None
-    return _compiled("decode", decode_step)
+    """`decode_step` for `rows` rows over `cached` positions, compiled unless a size of 1 would compile it
+    once more (see `update_states`)."""
+    return _compiled("decode", decode_step) if min(rows, cached) >= 2 else decode_step

@@ -203,10 +203,11 @@ def _prefill_on_buffers(model: PreTrainedModel, prompt_ids, prompt_mask, positio
     return logits
 
 
-def _decode_on_buffers(step, model: PreTrainedModel, token, positions, mask, cache) -> torch.Tensor:
+def _decode_on_buffers(model: PreTrainedModel, token, positions, mask, cache) -> torch.Tensor:
     """One decoding step through `decoder_pass.decode_step` (compiled): it reads the cache's filled
     positions, and its new keys and values are appended here, in place."""
     layers = cache.layers
+    step = decoder_pass.compiled_decode_step(len(token), cache.get_seq_length())
     rope = decoder_pass.rotary(model.get_decoder(), positions)  # outside the compiled step: no cos/sin there
     logits, keys, values = step(
         model, token, rope, mask.bool(), [layer.keys for layer in layers], [layer.values for layer in layers]
@@ -352,9 +353,8 @@ def sample(
                 done = done[keep]
             mask = torch.cat([mask, torch.ones_like(done[:, None], dtype=mask.dtype)], dim=-1)
             positions = positions[:, -1:] + 1
-            step = decoder_pass.compiled_decode_step(len(done), cache.get_seq_length()) if compiled else None
-            if step is not None:
-                logits = _decode_on_buffers(step, model, token, positions, mask, cache)
+            if compiled:
+                logits = _decode_on_buffers(model, token, positions, mask, cache)
             else:
                 logits = model(
                     input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1
