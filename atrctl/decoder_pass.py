@@ -236,12 +236,37 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """softmax(q·kᵀ·scale + mask)·v of q [rows, heads, L, head_dim], heads side by side: [rows, L, heads·head_dim]
-    (the output projection's input)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # grouped-query attention: each KV head serves `groups` query heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attention.scaling)
+    (the output projection's input).  mask: [rows, 1, L, S] bool, True = attend, at least one per query.
+
+    Short attention on a CPU (at most MATH_ATTENTION_MAX query-key pairs per head) is written out as two products
+    and a softmax: torch's CPU flash kernel takes up to 2x as long there, forward and backward
+    (`MATH_ATTENTION_MAX`), and the scores it avoids storing are then at most 8 KB per row and head.
+    Longer attention takes SDPA, whose memory does not grow with L·S, and so does all attention on a GPU
+    (not measured there, where SDPA's fused kernels are the norm).  Compiled, the size test is a guard:
+    a micro-batch on the other side of it compiles the pass once more."""
+    rows, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads  # grouped-query attention: query head h reads KV head h // groups
+    if q.device.type == "cpu" and length * k.shape[2] <= MATH_ATTENTION_MAX:
+        grouped = q.reshape(rows, kv_heads, groups * length, dim)  # a KV head's queries as one matrix
+        scores = (grouped @ k.transpose(-1, -2)).view(rows, kv_heads, groups, length, -1) * attention.scaling
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(rows, kv_heads, groups * length, -1)
+        out = (probs @ v).view(rows, heads, length, dim)
+    else:
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attention.scaling)
     return out.transpose(1, 2).flatten(2)
+
+
+MATH_ATTENTION_MAX = 2048
+"""Query-key pairs per row and head up to which `_attend` writes attention out instead of calling SDPA.
+Measured (`benchmarks/attention_kernel.py`, float32, 2 threads, forward + backward compiled; time written
+out / SDPA, 7 pairs): 0.50x at medium's completions (7 queries x 16 keys, head_dim 64), 0.61x at its
+prompts (9 x 9), 0.86x at tiny's (head_dim 16), 0.76x at 31 x 40, 0.85x at 63 x 72, 1.12x at 255 x 300
+(eager: 1.09x already at 63 x 72).  In the whole update pass that is 0.97x [0.93, 1.01] for medium and
+0.99x [0.82, 1.05] for tiny: attention is a small part of either."""
 
 
 def prefill(

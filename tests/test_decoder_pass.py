@@ -49,9 +49,19 @@ ROLLOUTS = {
 }
 
 
+# `_attend`'s two ways: attention written out (short sequences, these tests' own) and SDPA (long ones)
+ATTENTION = {"written out": 10**9, "sdpa": 0}
+
+
+@pytest.fixture(params=list(ATTENTION))
+def attention(request, monkeypatch):
+    monkeypatch.setattr(decoder_pass, "MATH_ATTENTION_MAX", ATTENTION[request.param])
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("shape", list(ROLLOUTS))
-def test_states_and_gradients_equal_transformers(arch, shape):
+def test_states_and_gradients_equal_transformers(arch, shape, attention):
     model = small_model(arch)  # 4 query heads over 2 KV heads: grouped-query attention
     assert supports(model)
     assert_same_function(model, group_rollout(seed=1, **ROLLOUTS[shape]))
@@ -202,7 +212,7 @@ def transformers_step(model, prompt_ids, prompt_mask, token):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_prefill_equals_transformers_prefill_on_left_padded_prompts(arch):
+def test_the_prefill_equals_transformers_prefill_on_left_padded_prompts(arch, attention):
     from atrctl.sampling import preallocated_cache
 
     model = small_model(arch).eval()
