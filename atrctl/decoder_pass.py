@@ -238,20 +238,24 @@ def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """softmax(q·kᵀ·scale + mask)·v of q [rows, heads, L, head_dim], heads side by side: [rows, L, heads·head_dim]
     (the output projection's input).  mask: [rows, 1, L, S] bool, True = attend, at least one per query.
 
-    Short attention on a CPU (at most MATH_ATTENTION_MAX query-key pairs per head) is written out as two products
-    and a softmax: torch's CPU flash kernel takes up to 2x as long there, forward and backward
-    (`MATH_ATTENTION_MAX`), and the scores it avoids storing are then at most 8 KB per row and head.
-    Longer attention takes SDPA, whose memory does not grow with L·S, and so does all attention on a GPU
-    (not measured there, where SDPA's fused kernels are the norm).  Compiled, the size test is a guard:
-    a micro-batch on the other side of it compiles the pass once more."""
+    Short float32 attention on a CPU (at most MATH_ATTENTION_MAX query-key pairs per head) is written out as
+    two products and a softmax: torch's CPU flash kernel takes up to 2x as long there, forward and backward
+    (`MATH_ATTENTION_MAX`), and the scores it avoids storing are then at most 8 KB per row and head; the two
+    agree to float32 rounding (tested).  Everything else takes SDPA: long attention, whose memory then does
+    not grow with L·S; a GPU's (not measured there); and bf16, where SDPA is what transformers' forward calls
+    too, so that a policy on that forward (attention dropout, FSDP) and its reference on this pass compute
+    the same numbers and their KL starts at 0 (written out, bf16 rounding moved it, and AdamW turned that
+    noise into full-sized steps: tests/test_sharding.py).  Compiled, the size test is a guard: a micro-batch
+    on the other side of it compiles the pass once more."""
     rows, heads, length, dim = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads  # grouped-query attention: query head h reads KV head h // groups
-    if q.device.type == "cpu" and length * k.shape[2] <= MATH_ATTENTION_MAX:
+    written_out = q.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and q.dtype == torch.float32
+    if written_out and length * k.shape[2] <= MATH_ATTENTION_MAX:
         grouped = q.reshape(rows, kv_heads, groups * length, dim)  # a KV head's queries as one matrix
         scores = (grouped @ k.transpose(-1, -2)).view(rows, kv_heads, groups, length, -1) * attention.scaling
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(rows, kv_heads, groups * length, -1)
+        probs = torch.softmax(scores, dim=-1).view(rows, kv_heads, groups * length, -1)
         out = (probs @ v).view(rows, heads, length, dim)
     else:
         if groups > 1:

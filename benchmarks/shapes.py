@@ -112,7 +112,7 @@ def worker(shape: str, repeats: int, bf16: bool) -> dict:
         "peak_gflops": peak,
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "rows": rows_total,
-        "micro_batch": len(pieces[0]),
+        "micro_batch": " + ".join(str(len(piece)) for piece in pieces),  # rows of each pass
         "sample_tokens_per_s": new / sample_s,
         "sample_gflops": (prefill + decode) / sample_s / 1e9,
         "update_tokens_per_s": new / update_s,
