@@ -222,7 +222,7 @@ sampling, old-logprob pass, update pass and AdamW step, float32 time / bf16 time
 autocast: 1.05x [0.94, 1.18]), 1.40x [1.24, 1.79] at 576 (SmolLM2-135M's shape).  At 256 the gain is small
 and costs the exact reuse of the sampler's logprobs, so the cut sits between 256 and 576.  CPUs differ: on
 an AMX Xeon medium's step lost (0.89x), on a newer EPYC whose bf16 products run 4.1x float32's it gained
-1.47x (README); one width serves all three only conservatively."""
+1.38x (README); one width serves all three only conservatively."""
 
 
 def linears_autocast_casts(model) -> list:
