@@ -59,15 +59,16 @@ def is_compiled(model: PreTrainedModel) -> bool:
     return model in _COMPILED
 
 
-def update_states(model: PreTrainedModel, rollout: Rollout) -> torch.Tensor:
-    """`decoder_states` of the rollout's rows, compiled for a model `compile_policy` registered, else eager.
+def update_states(model: PreTrainedModel, rollout: Rollout, compiled: bool | None = None) -> torch.Tensor:
+    """`decoder_states` of the rollout's rows, compiled for a model `compile_policy` registered (or where
+    `compiled` says so: a reference model computes as its policy does), else eager.
 
     torch.compile specialises sizes 0 and 1 even with dynamic shapes, so a micro-batch with one row, one
     distinct prompt, a one-token prompt or completions of at most two tokens would compile once more (seen:
     one recompilation each); those rare micro-batches run the same function eagerly instead."""
     inputs = decoder_inputs(model, rollout)
     sizes = (*inputs.prompt_ids.shape, *inputs.completion_ids.shape)
-    if is_compiled(model) and min(sizes) >= 2:
+    if (is_compiled(model) if compiled is None else compiled) and min(sizes) >= 2:
         return _compiled("states", decoder_states)(model, inputs)
     return decoder_states(model, inputs)
 
@@ -238,25 +239,26 @@ def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """softmax(q·kᵀ·scale + mask)·v of q [rows, heads, L, head_dim], heads side by side: [rows, L, heads·head_dim]
     (the output projection's input).  mask: [rows, 1, L, S] bool, True = attend, at least one per query.
 
-    Short float32 attention on a CPU (at most MATH_ATTENTION_MAX query-key pairs per head) is written out as
-    two products and a softmax: torch's CPU flash kernel takes up to 2x as long there, forward and backward
-    (`MATH_ATTENTION_MAX`), and the scores it avoids storing are then at most 8 KB per row and head; the two
-    agree to float32 rounding (tested).  Everything else takes SDPA: long attention, whose memory then does
-    not grow with L·S; a GPU's (not measured there); and bf16, where SDPA is what transformers' forward calls
-    too, so that a policy on that forward (attention dropout, FSDP) and its reference on this pass compute
-    the same numbers and their KL starts at 0 (written out, bf16 rounding moved it, and AdamW turned that
-    noise into full-sized steps: tests/test_sharding.py).  Compiled, the size test is a guard: a micro-batch
-    on the other side of it compiles the pass once more."""
+    Short attention on a CPU (at most MATH_ATTENTION_MAX query-key pairs per head) is written out as two
+    products and a softmax, in float32 whatever the autocast: torch's CPU flash kernel takes up to 2x as long
+    there in float32, forward and backward, and under bf16 its backward was 55% of a medium model's compiled
+    update on an AMX Xeon (`benchmarks/attention_kernel.py`).  Its scores are then at most 8 KB per row and
+    head.  Float32 is what the flash kernel accumulates and normalises in, so written out and SDPA agree to
+    float32 rounding, and under bf16 to the rounding of the output (both tested): a policy on transformers'
+    forward (FSDP, attention dropout) and its reference on this pass then start with a KL of bf16 noise at
+    most.  Everything else takes SDPA: long attention, whose memory then does not grow with L·S, and a GPU's
+    (not measured there).  Compiled, the size test is a guard: a micro-batch on the other side of it compiles
+    the pass once more."""
     rows, heads, length, dim = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads  # grouped-query attention: query head h reads KV head h // groups
-    written_out = q.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and q.dtype == torch.float32
-    if written_out and length * k.shape[2] <= MATH_ATTENTION_MAX:
-        grouped = q.reshape(rows, kv_heads, groups * length, dim)  # a KV head's queries as one matrix
-        scores = (grouped @ k.transpose(-1, -2)).view(rows, kv_heads, groups, length, -1) * attention.scaling
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(rows, kv_heads, groups * length, -1)
-        out = (probs @ v).view(rows, heads, length, dim)
+    if q.device.type == "cpu" and length * k.shape[2] <= MATH_ATTENTION_MAX:
+        with torch.autocast("cpu", enabled=False):
+            grouped = q.float().reshape(rows, kv_heads, groups * length, dim)  # a KV head's queries as one matrix
+            scores = (grouped @ k.float().transpose(-1, -2)).view(rows, kv_heads, groups, length, -1)
+            scores = (scores * attention.scaling).masked_fill(~mask[:, :, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).view(rows, kv_heads, groups * length, -1)
+            out = (probs @ v.float()).view(rows, heads, length, dim).to(q.dtype)
     else:
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

@@ -22,18 +22,25 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def completion_logprobs(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
+def completion_logprobs(
+    model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0, path_of: PreTrainedModel | None = None
+) -> torch.Tensor:
     """log_softmax(logits.float() / temperature) at each completion token, from the training forward pass.
 
     This is the training-side twin of `sample`'s logprobs (same padding, positions and numerics);
     it keeps the graph, so call it under torch.no_grad() when no gradient is wanted. [B, T] float32,
-    0 where the completion is masked.
+    0 where the completion is masked.  `path_of`: the model whose pass to take (`_completion_states`), when
+    not `model`'s own.
     """
-    return completion_logprobs_and_entropy(model, rollout, temperature)[0]
+    return completion_logprobs_and_entropy(model, rollout, temperature, path_of=path_of)[0]
 
 
 def completion_logprobs_and_entropy(
-    model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0, entropy_grad: bool = True
+    model: PreTrainedModel,
+    rollout: Rollout,
+    temperature: float = 1.0,
+    entropy_grad: bool = True,
+    path_of: PreTrainedModel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy of the sampling distribution) per completion token, both [B, T], 0 where masked.
 
@@ -41,7 +48,7 @@ def completion_logprobs_and_entropy(
     `entropy_grad`.  Only the completion tokens are projected to the vocabulary, a chunk at a time
     (`selective_log_softmax`): float32 logits of a whole micro-batch, [B, T, vocab], never exist at once.
     """
-    states, head = _completion_states(model, rollout)
+    states, head = _completion_states(model, rollout, model if path_of is None else path_of)
     return selective_log_softmax(
         states, head, rollout.completion_ids, rollout.completion_mask, temperature, entropy_grad
     )
@@ -101,19 +108,27 @@ def _chunk_logprobs(head, states, targets, temperature: float, entropy_grad: boo
     return logp, entropy
 
 
-def _completion_states(model: PreTrainedModel, rollout: Rollout) -> tuple[torch.Tensor, torch.nn.Module]:
+def _completion_states(
+    model: PreTrainedModel, rollout: Rollout, path_of: PreTrainedModel
+) -> tuple[torch.Tensor, torch.nn.Module]:
     """(states [B, T, H] at the positions that predict each completion token, the module that maps them to
     logits).  The decoder's last hidden states and the output projection where the model's logits are
-    exactly that projection (`head_is_linear`); otherwise its logits and the identity."""
+    exactly that projection (`head_is_linear`); otherwise its logits and the identity.
+
+    The pass is the one `path_of` takes (FSDP's root, atrctl's decoder pass compiled or eager, transformers'
+    forward): a reference model computes through its policy's, so that the two differ by their weights
+    alone.  Two passes differ by rounding, and under bf16 that rounding made the KL term of identical
+    weights nonzero noise, which AdamW scales into full-sized steps (seen with a policy under activation
+    checkpointing, which keeps transformers' forward, against a reference on the decoder pass)."""
     from atrctl.sharding import is_sharded
 
-    if is_sharded(model):  # FSDP: one pass of the root model (it gathers the embedding and head) on every rank
+    if is_sharded(path_of):  # FSDP: one pass of the root model (it gathers the embedding and head) on every rank
         if head_is_linear(model):
             return _single_pass(_through_root(model), rollout, lambda out: out, False), model.get_output_embeddings()
         return _single_pass(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
     if head_is_linear(model):
-        if decoder_pass.supports(model):  # Llama, Qwen2: atrctl's own pass, compiled under model.compile
-            states = decoder_pass.update_states(model, rollout)
+        if decoder_pass.supports(path_of):  # Llama, Qwen2: atrctl's own pass, compiled under model.compile
+            states = decoder_pass.update_states(model, rollout, compiled=decoder_pass.is_compiled(path_of))
         else:
             states = _completion_outputs(model.get_decoder(), rollout, lambda out: out.last_hidden_state, False)
         return states, model.get_output_embeddings()

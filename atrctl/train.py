@@ -495,7 +495,7 @@ def update_step(
         elif not on_policy:
             old_logp = rollout.logprobs  # [rows, T], the backend's own (it says they match)
         if run.reference is not None:
-            ref_logp = _logprobs(run.reference, rollout, pieces, cfg.rollout.temperature)
+            ref_logp = _logprobs(run.reference, rollout, pieces, cfg.rollout.temperature, path_of=run.model)
         elif algo.beta > 0:  # LoRA: the reference is the policy's base, its adapters off
             with reference_pass(run.adapters):
                 ref_logp = _logprobs(run.model, rollout, pieces, cfg.rollout.temperature)
@@ -686,12 +686,17 @@ def pass_rows(where: torch.Tensor | Idle) -> torch.Tensor:
 
 
 def _logprobs(
-    model: torch.nn.Module, rollout: Rollout, pieces: list[list[torch.Tensor]], temperature: float
+    model: torch.nn.Module,
+    rollout: Rollout,
+    pieces: list[list[torch.Tensor]],
+    temperature: float,
+    path_of: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """No-grad logprobs [rows, T] of the rows the update trains on, in its micro-batches; 0 elsewhere."""
+    """No-grad logprobs [rows, T] of the rows the update trains on, in its micro-batches; 0 elsewhere; through
+    the pass of `path_of` (the policy, for its reference) where given."""
     out = torch.zeros_like(rollout.logprobs)
     for where in (where for micro in pieces for where in micro):
-        logp = completion_logprobs(model, trimmed(rows(rollout, pass_rows(where))), temperature)
+        logp = completion_logprobs(model, trimmed(rows(rollout, pass_rows(where))), temperature, path_of)
         if not isinstance(where, Idle):
             out[where, : logp.shape[1]] = logp
     return out

@@ -90,7 +90,7 @@ def test_lora_adapters_inside_the_projections_still_apply():
     assert_same_function(model, group_rollout(seed=3))
 
 
-def test_bf16_autocast_stays_within_bf16_rounding_of_transformers():
+def test_bf16_autocast_stays_within_bf16_rounding_of_transformers(attention):
     model, rollout = small_model("llama"), group_rollout(seed=4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want, got = transformers_states(model, rollout), ours(model, rollout)
@@ -308,3 +308,22 @@ def compiled_equals_eager(device: str) -> None:
               for model in (eager, compiled)]  # fmt: skip
     assert torch.equal(greedy[1].completion_ids, greedy[0].completion_ids)  # argmax: no draw to differ in
     torch.testing.assert_close(greedy[1].logprobs, greedy[0].logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_reference_computes_through_its_policys_pass_so_equal_weights_give_equal_logprobs_under_bf16():
+    """A policy under activation checkpointing keeps transformers' forward; its reference (a frozen copy) would
+    otherwise take the decoder pass.  Under bf16 the two passes round differently, so the KL of equal weights
+    would be noise instead of 0; through the policy's pass (`path_of`) it is exactly 0."""
+    policy, rollout = small_model("llama"), group_rollout(seed=5)
+    reference = small_model("llama")
+    reference.load_state_dict(policy.state_dict())
+    reference.requires_grad_(False)
+    policy.gradient_checkpointing_enable({"use_reentrant": False})
+    policy.train()
+    assert not supports(policy) and supports(reference)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = forward.completion_logprobs(policy, rollout)
+        own_pass = forward.completion_logprobs(reference, rollout)
+        followed = forward.completion_logprobs(reference, rollout, path_of=policy)
+    assert torch.equal(followed, want)
+    assert not torch.equal(own_pass, want)  # what the policy's pass avoids: two roundings of one function
