@@ -61,7 +61,7 @@ class ModelConfig:
     autocast: str = "auto"
     """bf16 autocast of the trained policy's sampling and update passes (the weights stay float32): "auto" =
     on a CUDA GPU with bf16, and on a CPU with native bf16 instructions (avx512_bf16 or amx_bf16) for models
-    at least 512 wide (narrower ones measured no faster there; without those instructions bf16 products are
+    at least 256 wide (narrower ones measured no faster there; without those instructions bf16 products are
     emulated, 2-4x slower than float32); "bfloat16" = always; "off" = float32 everywhere."""
     compile: bool = False
     """torch.compile a Llama or Qwen2 policy's update passes and its sampler's prefill and decoding steps, once

@@ -231,8 +231,17 @@ def _projections(attention, x: torch.Tensor, rope: Rotary):
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """(-x₂, x₁) of x = (x₁, x₂) halves of its last dimension, as a product with a signed permutation matrix:
+    exact in any dtype (one nonzero term per sum), and its gradient is a product too.  Written as slices,
+    negation and concatenation, the compiled backward's kernel for it took 2 ms on a medium micro-batch
+    (index arithmetic, not vectorised), the largest element-wise kernel of the update."""
+    dim = x.shape[-1]
+    half = dim // 2
+    eye = torch.eye(half, dtype=x.dtype, device=x.device)
+    zero = torch.zeros_like(eye)
+    rotation = torch.cat([torch.cat([zero, eye], dim=1), torch.cat([-eye, zero], dim=1)])  # [dim, dim]
+    with torch.autocast(x.device.type, enabled=False):
+        return x @ rotation
 
 
 def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

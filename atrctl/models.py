@@ -215,14 +215,16 @@ def numerics(
     return Numerics(device, dtype, torch.bfloat16 if use and autocast else None)
 
 
-CPU_BF16_MIN_WIDTH = 512
-"""Narrower models stay float32 on CPU.  Measured on an AVX-512-BF16 CPU (benchmarks/cpu_bf16.py, a step's
-sampling, old-logprob pass, update pass and AdamW step, float32 time / bf16 time): 0.67x at 64 wide (tiny),
-0.83x at 128, 1.15x [1.05, 1.19] at 256 (medium; its real training step, step_throughput.py --arms
-autocast: 1.05x [0.94, 1.18]), 1.40x [1.24, 1.79] at 576 (SmolLM2-135M's shape).  At 256 the gain is small
-and costs the exact reuse of the sampler's logprobs, so the cut sits between 256 and 576.  CPUs differ: on
-an AMX Xeon medium's step lost (0.89x), on a newer EPYC whose bf16 products run 4.1x float32's it gained
-1.38x (README); one width serves all three only conservatively."""
+CPU_BF16_MIN_WIDTH = 256
+"""Narrower models stay float32 on CPU.  Measured on a 2-core AMX Xeon (amx_bf16), the real training step of
+the default recipe (benchmarks/step_throughput.py --arms autocast, float32 time / bf16 time over 20 paired
+steps): 0.81x at 64 wide (tiny), 1.04x [0.98, 1.12] at 128 (small), 1.35x [1.30, 1.43] at 256 (medium);
+compiled, medium's step ran 1.64x faster (698 against 419 ms).  What made 256 pay: short attention written out
+in float32 (`decoder_pass._attend`; SDPA's bf16 backward had been half of medium's update, and medium's
+step had lost, 0.89x).  The batch of benchmarks/cpu_bf16.py, 32 rows, is too small for bf16 sampling to
+pay (0.77x at medium there, 1.7x faster at the recipe's 512 rows) and gives medium's step 1.04x, 576 wide
+(SmolLM2-135M's shape) 1.30x.  On a newer EPYC whose bf16 products run 4.1x float32's medium's step gained
+1.38x with SDPA still in place (README).  Without native bf16 it is emulated, 2-4x slower: never auto."""
 
 
 def linears_autocast_casts(model) -> list:

@@ -696,7 +696,7 @@ def _logprobs(
     the pass of `path_of` (the policy, for its reference) where given."""
     out = torch.zeros_like(rollout.logprobs)
     for where in (where for micro in pieces for where in micro):
-        logp = completion_logprobs(model, trimmed(rows(rollout, pass_rows(where))), temperature, path_of)
+        logp = completion_logprobs(model, trimmed(rows(rollout, pass_rows(where))), temperature, path_of=path_of)
         if not isinstance(where, Idle):
             out[where, : logp.shape[1]] = logp
     return out

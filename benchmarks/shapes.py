@@ -11,7 +11,7 @@ included), plus attention's q·k and p·v over the keys each token attends to; t
 passes' worth (forward, and backward's two products) plus the chunked head's recomputation.  Peak memory
 is the process's peak RSS during each phase (the counter reset before it), weights included.  With
 --bf16 both run under bf16 autocast (float32 master weights, as `model.autocast` does on a bf16-native CPU
-for models >= 512 wide), against the peak of a bf16 product.
+for models >= 256 wide), against the peak of a bf16 product.
 
     python benchmarks/shapes.py                                   # tiny, medium, smollm2-135m, qwen2.5-0.5b
     python benchmarks/shapes.py --shapes smollm2-135m qwen2.5-0.5b --bf16   # on a bf16-native CPU

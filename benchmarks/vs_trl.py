@@ -18,7 +18,7 @@ advantage 0 is off unless --skip-zero-advantage: the fresh models here earn (alm
 would skip the whole update, which says nothing about the engines.  TRL's phases come from its own
 timers: its "reward" leaves out decoding the completions, which atrctl's includes.  Both compute in the
 same dtype: `--autocast` is atrctl's model.autocast, and TRL gets bf16=True exactly where that resolves to
-bf16 (auto: a CUDA GPU, or a bf16-native CPU for models >= 512 wide); under bf16 atrctl recomputes the old
+bf16 (auto: a CUDA GPU, or a bf16-native CPU for models >= 256 wide); under bf16 atrctl recomputes the old
 logprobs too, for all mini-batches but the first (whose own first pass gives them).
 TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 

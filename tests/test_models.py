@@ -165,8 +165,8 @@ def test_set_cpu_threads(monkeypatch):
     [
         ("cpu", "auto", False, 576, None),  # emulated bf16 is slower than float32
         ("cpu", "auto", True, 64, None),  # too narrow to pay back the casts
-        ("cpu", "auto", True, 256, None),  # medium: measured no faster
-        ("cpu", "auto", True, 512, torch.bfloat16),
+        ("cpu", "auto", True, 128, None),  # small: measured no faster
+        ("cpu", "auto", True, 256, torch.bfloat16),  # medium: 1.35x
         ("cpu", "auto", True, 576, torch.bfloat16),
         ("cpu", "auto", True, None, None),  # width unknown (warm-up): float32
         ("cpu", "bfloat16", False, 64, torch.bfloat16),

@@ -177,9 +177,9 @@ def test_recomputed_old_logprobs_skip_the_first_minibatch_whose_own_pass_gives_t
                  f"algo.minibatches={minibatches}")  # fmt: skip
     no_grad_rows, logprobs = [], train_module.completion_logprobs  # what the update's no-grad passes run on
 
-    def counted(model, rollout, temperature):
+    def counted(model, rollout, temperature, **kwargs):
         no_grad_rows.append(rollout.completion_ids.shape[0])
-        return logprobs(model, rollout, temperature)
+        return logprobs(model, rollout, temperature, **kwargs)
 
     monkeypatch.setattr(train_module, "completion_logprobs", counted)
     new = Update(results, EVERY_ROW_ADVANTAGE, *overrides)
