@@ -167,9 +167,15 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
             return self.length if self.is_initialized else 0
 
         def batch_repeat_interleave(self, repeats: int) -> None:
+            """Each row `repeats` times, consecutively: only the filled positions are copied (after the prefill
+            about half the buffer at the default recipe's lengths), the rest stays unwritten, as it was."""
             if self.is_initialized:
-                self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
-                self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+                for name in ("key_buffer", "value_buffer"):
+                    buffer = getattr(self, name)
+                    rows = buffer.new_empty((buffer.shape[0] * repeats, *buffer.shape[1:]))
+                    grouped = rows.view(buffer.shape[0], repeats, *buffer.shape[1:])
+                    grouped[..., : self.length, :] = buffer[:, None, ..., : self.length, :]
+                    setattr(self, name, rows)
                 self._filled()
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
