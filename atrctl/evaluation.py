@@ -203,6 +203,7 @@ def run_evaluation(
 ) -> tuple[EvalResult, str, list[Path]] | None:
     """`atrctl eval`: sample (this process's share of) the problems; rank 0 writes the three files and gets
     (result, a one-line description of the setting, the files), the other ranks None."""
+    from atrctl.allocator import keep_freed_memory
     from atrctl.eval_report import write_eval
     from atrctl.models import resolve_device, set_cpu_threads
     from atrctl.tasks import get_task
@@ -213,6 +214,7 @@ def run_evaluation(
         picked = task.problems(split, problems, spec.problem_seed)
         check_samples_fit(len(picked), n)
         set_cpu_threads(distributed.cpu_threads_per_rank())
+        keep_freed_memory()
         result = evaluate_target(
             spec,
             task,

@@ -784,6 +784,7 @@ def build_run(
     results: Path,
     on_warmup: Callable[[int, float, float | None], None] | None = None,
 ) -> Run:
+    from atrctl.allocator import keep_freed_memory
     from atrctl.base_cache import ensure_base
     from atrctl.models import load_model, numerics, resolve_device, resolve_dtype, set_cpu_threads, sized_batch
     from atrctl.rollout import rollout_backend
@@ -795,6 +796,7 @@ def build_run(
     with distributed.main_first():  # rank 0 builds a missing base; the others then load it
         base, _ = ensure_base(recipe, results, on_warmup)
     set_cpu_threads(distributed.cpu_threads_per_rank())
+    keep_freed_memory()
     # Master weights in float32, loaded as such (a float32 checkpoint read in bf16 would lose its low
     # bits; bf16 ones upcast exactly); the device's numerics decide whether bf16 autocast does the arithmetic.
     # A policy to shard is loaded on the host: its full copy for sampling is made there, and each process's
