@@ -4,7 +4,8 @@ Not a test.  The setting is process-wide, so the two arms live in two processes,
 included) and then stepping in turn: a worker runs one real training step (`atrctl.train.train_step`, the
 default recipe on a fresh preset, every row trained) when told to and reports its time and its minor page
 faults.  Only one worker computes at a time; which goes first alternates between pairs, and the ratio
-(glibc's defaults / kept) is taken within each pair: median and 2.5-97.5% range over pairs.
+(glibc's defaults / kept) is taken within each pair: median and 2.5-97.5% range over pairs.  Both workers
+hold a model and its optimiser at once: presets up to medium (two 0.5B-shape workers exhaust 24 GB).
 
     python benchmarks/allocator.py --preset medium --set model.compile=true
     python benchmarks/allocator.py --preset tiny --set model.compile=true --set rollout.max_new_tokens=64
