@@ -37,7 +37,8 @@ def is_glibc() -> bool:
 @functools.lru_cache(maxsize=1)
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds for a process that repeats the same large allocations (see the
-    module's docstring); once per process.  True where both were set, False where this is not glibc."""
+    module's docstring); once per process, by each command that computes (training, its warm-up, evaluation).
+    True where both were set, False where this is not glibc."""
     if not is_glibc():
         return False
     mallopt = ctypes.CDLL(None).mallopt

@@ -82,6 +82,7 @@ def ensure_base(
     if info is not None:
         return target, info
 
+    from atrctl.allocator import keep_freed_memory
     from atrctl.models import build_char_tokenizer, build_model, resolve_device, set_cpu_threads
     from atrctl.prompts import prompt_style
     from atrctl.tasks import get_task
@@ -95,6 +96,7 @@ def ensure_base(
     except OSError as error:
         raise UserError(f"cannot write to {target.parent} ({error.strerror}); choose a writable --results") from None
     set_cpu_threads()
+    keep_freed_memory()
     tokenizer = build_char_tokenizer()
     model = build_model(recipe.model.base, tokenizer, arch=recipe.model.arch, seed=recipe.warmup.seed)
     model.to(resolve_device(recipe.model.device))

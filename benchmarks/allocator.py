@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from step_throughput import quantile  # benchmarks/ is on sys.path when run as a script
+
 ARMS = ("glibc", "kept")  # the ratio is the first's time over the second's
 
 
@@ -60,8 +62,7 @@ def worker(args: argparse.Namespace) -> None:
 def spawn(arm: str, args: argparse.Namespace) -> subprocess.Popen:
     command = [sys.executable, __file__, "--worker", arm, "--preset", args.preset, "--warmup", str(args.warmup)]
     command += [f"--set={value}" for value in args.set]
-    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return process
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def wait_ready(process: subprocess.Popen) -> None:
@@ -71,15 +72,10 @@ def wait_ready(process: subprocess.Popen) -> None:
     raise SystemExit(f"a worker stopped before it was ready (exit {process.wait()})")
 
 
-def step(process: subprocess.Popen) -> dict:
+def take_step(process: subprocess.Popen) -> dict:
     process.stdin.write("step\n")
     process.stdin.flush()
     return json.loads(process.stdout.readline())
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def main() -> None:
@@ -100,7 +96,7 @@ def main() -> None:
     records = {arm: [] for arm in ARMS}
     for pair in range(args.pairs):
         for arm in ARMS if pair % 2 == 0 else ARMS[::-1]:
-            records[arm].append(step(workers[arm]))
+            records[arm].append(take_step(workers[arm]))
     for process in workers.values():
         process.stdin.close()
         process.wait()
