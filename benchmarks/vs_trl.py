@@ -43,6 +43,7 @@ from pathlib import Path
 
 RESULT = "RESULT "  # a worker's last stdout line: this marker and a JSON object
 PHASES = ("rollout", "reward", "logprobs", "update")
+SIDES = ("atrctl", "trl")
 
 
 def recipe_for(args: argparse.Namespace):
@@ -192,6 +193,18 @@ def trl_worker(args: argparse.Namespace) -> dict:
     return {"steps": steps[max(0, args.warmup - 1) :], "bf16": bf16}
 
 
+def counted_flops(work, args: argparse.Namespace) -> float:
+    """Matrix-product FLOPs per step (rollout and update, forward and backward) of `work`, counted by torch's
+    FlopCounterMode on every product, attention and the group-shared prompt's copies included: what each
+    side has its cores multiply, measured rather than estimated from the shapes.  Run eagerly and untimed
+    (the mode intercepts every operator; atrctl's compiled functions compute the same products)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        work(args)
+    return counter.get_total_flops() / (args.warmup + args.steps)
+
+
 def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict:
     command = [
         sys.executable,
@@ -205,7 +218,7 @@ def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Pa
         *[
             f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
             for k, v in vars(args).items()
-            if k not in {"worker", "model_dir", "scratch", "pairs", "threads", "preset"} and v is not False
+            if k not in {"worker", "model_dir", "scratch", "pairs", "threads", "preset", "no_flops"} and v is not False
         ],
     ]
     env = {
@@ -242,7 +255,7 @@ def breakdown(results: list[dict]) -> list[tuple[str, float]]:
     return [*mean.items(), ("other", total - sum(mean.values())), ("step", total)]
 
 
-def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
+def report(args: argparse.Namespace, pairs: list[dict[str, dict]], flops: dict[str, float] | None) -> None:
     ours = [rates(pair["atrctl"]) for pair in pairs]
     theirs = [rates(pair["trl"]) for pair in pairs]
     print(
@@ -262,6 +275,19 @@ def report(args: argparse.Namespace, pairs: list[dict[str, dict]]) -> None:
     if args.compile:
         seconds = spread([pair["atrctl"]["warmup"] for pair in pairs])
         print(f"\natrctl compiled its update and decoding (TRL eager); {args.warmup} unmeasured steps: {seconds} s")
+    if flops:
+        work = flops["trl"] / flops["atrctl"]
+        speed = [(flops["atrctl"] * a[0]) / (flops["trl"] * b[0]) for a, b in zip(ours, theirs, strict=True)]
+        achieved = {
+            side: spread([flops[side] * s / 1e9 for s, _ in per_pair])
+            for side, per_pair in (("atrctl", ours), ("trl", theirs))
+        }
+        print(
+            f"\nmatrix-product work per step (FlopCounterMode, eager, 2 steps): atrctl {flops['atrctl'] / 1e9:.2f}, "
+            f"TRL {flops['trl'] / 1e9:.2f} GFLOP, TRL/atrctl {work:.2f}x; achieved GFLOP/s at the median steps/s: "
+            f"atrctl {achieved['atrctl']}, TRL {achieved['trl']}; "
+            f"the ratio = work {work:.2f}x * speed per FLOP {spread(speed)}x"
+        )
     print("\nstep breakdown, mean ms per step (share); TRL's from its own profiling blocks, its update = the rest")
     ours, theirs = breakdown([pair["atrctl"] for pair in pairs]), dict(breakdown([pair["trl"] for pair in pairs]))
     print(f"  {'phase':9} {'atrctl':>16} {'TRL':>16}")
@@ -311,9 +337,19 @@ def main() -> None:
     parser.add_argument("--worker", choices=["atrctl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-flops",
+        action="store_true",
+        help="skip the two extra (untimed) processes that count each side's matrix-product FLOPs per step",
+    )
+    parser.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = (atrctl_worker if args.worker == "atrctl" else trl_worker)(args)
+        work = atrctl_worker if args.worker == "atrctl" else trl_worker
+        if args.count_flops:
+            result = {"flops": counted_flops(work, args)}
+        else:
+            result = work(args)
         print(RESULT + json.dumps(result), flush=True)
         return
 
@@ -340,7 +376,12 @@ def main() -> None:
                 f"pair {pair + 1}: atrctl {a[0]:.2f} steps/s, TRL {t[0]:.2f} steps/s, ratio {a[0] / t[0]:.2f}",
                 flush=True,
             )
-        report(args, pairs)
+        flops = None
+        if not args.no_flops:  # after the timed pairs, one short eager process per side
+            eager_short = {"count_flops": True, "compile": False, "warmup": 0, "steps": 2}
+            counting = argparse.Namespace(**{**vars(args), **eager_short})
+            flops = {side: run_worker(side, counting, model_dir, scratch / f"flops-{side}")["flops"] for side in SIDES}
+        report(args, pairs, flops)
 
 
 if __name__ == "__main__":
