@@ -130,9 +130,21 @@ def _completion_states(
         if decoder_pass.supports(path_of):  # Llama, Qwen2: atrctl's own pass, compiled under model.compile
             states = decoder_pass.update_states(model, rollout, compiled=decoder_pass.is_compiled(path_of))
         else:
-            states = _completion_outputs(model.get_decoder(), rollout, lambda out: out.last_hidden_state, False)
+            states = _completion_outputs(
+                model.get_decoder(), rollout, lambda out: out.last_hidden_state, False, _shares_prefix(path_of)
+            )
         return states, model.get_output_embeddings()
-    return _completion_outputs(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
+    return _completion_outputs(
+        model, rollout, lambda out: out.logits, True, _shares_prefix(path_of)
+    ), torch.nn.Identity()
+
+
+def _shares_prefix(model: PreTrainedModel) -> bool:
+    """Whether `model`'s pass runs a group's prompt once and its completions on the cache (`_completion_outputs`).
+    Activation checkpointing turns the cache off, so such a model, and a reference following its pass, takes the
+    single pass: the two layouts round differently (a reference on the other one gave bf16 logprobs 1e-3
+    apart from its policy's at equal weights, seen with PyTorch's AVX2 kernels)."""
+    return not getattr(model, "is_activation_checkpointing", False)
 
 
 def _through_root(model: PreTrainedModel):
@@ -176,7 +188,7 @@ def head_is_linear(model: PreTrainedModel) -> bool:
     return _LINEAR_HEAD[model]
 
 
-def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool) -> torch.Tensor:
+def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool, share_prefix: bool = True) -> torch.Tensor:
     """`pick(module(...))` at the positions that predict each completion token: [B, T, ...] (a language
     model, `is_lm`, is asked for the logits of those positions only).
 
@@ -184,8 +196,9 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool) -> torch.Te
     prompt (a run of consecutive rows with equal ids and mask) and its KV cache, graph included, is
     indexed out to each row; the completions then run on top of it.  Same function as one pass over
     prompt + completion (the gradient reaches the prompt's activations through the cache), with the
-    prompt's share of the work divided by G.  Activation checkpointing turns the cache off, so it
-    gets the single pass (also if the model turned out to ignore the cache).
+    prompt's share of the work divided by G.  Without `share_prefix` (activation checkpointing turns the
+    cache off: `_shares_prefix`), where no two rows share a prompt, and where the model turned out to
+    ignore the cache, it takes the single pass.
     """
     from transformers import DynamicCache
 
@@ -201,7 +214,7 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool) -> torch.Te
         return _single_pass(module, rollout, pick, is_lm)
 
     first_rows, counts = equal_runs(torch.cat([prompt, prompt_mask], dim=1))
-    if len(counts) == prompt.shape[0] or getattr(module, "is_activation_checkpointing", False):
+    if len(counts) == prompt.shape[0] or not share_prefix:
         return single_pass()
     width = prompt.shape[1]
     cache = DynamicCache(config=config)

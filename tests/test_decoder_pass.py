@@ -310,6 +310,23 @@ def compiled_equals_eager(device: str) -> None:
     torch.testing.assert_close(greedy[1].logprobs, greedy[0].logprobs, atol=1e-4, rtol=1e-4)
 
 
+def test_a_reference_following_a_checkpointing_policy_takes_its_single_pass(monkeypatch):
+    """Checkpointing turns the policy's prompt cache off, so its pass is the single one; the reference must
+    lay its rows out the same way, not share the prompt as its own cache would let it (on AVX2 kernels the
+    two layouts gave bf16 logprobs 1e-3 apart at equal weights, which the test below caught there only)."""
+    policy, rollout = small_model("llama"), group_rollout(seed=5)
+    reference = small_model("llama")
+    policy.gradient_checkpointing_enable({"use_reentrant": False})
+    layouts = []
+    single_pass = forward._single_pass
+    monkeypatch.setattr(forward, "_single_pass", lambda *args: layouts.append("single") or single_pass(*args))
+    with torch.no_grad():
+        forward.completion_logprobs(policy, rollout)
+        assert layouts == ["single"]
+        forward.completion_logprobs(reference, rollout, path_of=policy)
+    assert layouts == ["single", "single"]
+
+
 def test_a_reference_computes_through_its_policys_pass_so_equal_weights_give_equal_logprobs_under_bf16():
     """A policy under activation checkpointing keeps transformers' forward; its reference (a frozen copy) would
     otherwise take the decoder pass.  Under bf16 the two passes round differently, so the KL of equal weights

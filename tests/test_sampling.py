@@ -290,7 +290,9 @@ def test_the_preallocated_cache_samples_what_a_growing_cache_samples(model, toke
         monkeypatch.setattr(sampling, "preallocated_cache", lambda model, capacity: DynamicCache(config=model.config))
         concatenated = run(model, tokenizer, prompts, repeats=2, max_new_tokens=20)
     assert torch.equal(written_in_place.completion_ids, concatenated.completion_ids)
-    torch.testing.assert_close(written_in_place.logprobs, concatenated.logprobs, atol=1e-6, rtol=0)
+    # attention over the preallocated width sums its (zero) masked terms too, in other blocks: a few float32
+    # ulps apart (seen: 1.4e-6 on a logprob of -2.75 with PyTorch's AVX2 kernels), not a different function
+    torch.testing.assert_close(written_in_place.logprobs, concatenated.logprobs, atol=1e-6, rtol=1e-6)
 
 
 def test_rows_with_equal_ids_but_different_masks_do_not_share_a_prompt(tokenizer):
