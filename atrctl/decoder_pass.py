@@ -206,8 +206,10 @@ def decoder_states(model: PreTrainedModel, inputs: DecoderInputs) -> torch.Tenso
 def rotary(decoder, positions: torch.Tensor) -> Rotary:
     """The rotary phases of `positions` (any shape), as the decoder's rotary module computes them for its
     embeddings' dtype: [*positions.shape, head_dim] each; constants of the pass (no gradient)."""
-    embeddings = decoder.embed_tokens.weight
-    cos, sin = decoder.rotary_emb(embeddings[:1], positions.reshape(1, -1))  # it reads only dtype and device
+    # it reads only the dtype and device; detached, since a no-grad view of a parameter, passed into a module,
+    # is refused by module hooks that track gradients (torch.utils.flop_counter's counting an old-logprob pass)
+    embeddings = decoder.embed_tokens.weight.detach()
+    cos, sin = decoder.rotary_emb(embeddings[:1], positions.reshape(1, -1))
     return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
 

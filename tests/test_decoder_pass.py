@@ -344,3 +344,14 @@ def test_a_reference_computes_through_its_policys_pass_so_equal_weights_give_equ
         followed = forward.completion_logprobs(reference, rollout, path_of=policy)
     assert torch.equal(followed, want)
     assert not torch.equal(own_pass, want)  # what the policy's pass avoids: two roundings of one function
+
+
+def test_the_passs_flops_can_be_counted_without_gradients():
+    """benchmarks/vs_trl.py counts FLOPs with torch.utils.flop_counter, whose module hooks refused the no-grad
+    view of the embedding that `rotary` once passed to the rotary module (in a bf16 old-logprob pass)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, rollout = small_model("llama"), group_rollout(seed=1)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        forward.completion_logprobs(model, rollout)
+    assert counter.get_total_flops() > 0
