@@ -20,6 +20,9 @@ timers: its "reward" leaves out decoding the completions, which atrctl's include
 same dtype: `--autocast` is atrctl's model.autocast, and TRL gets bf16=True exactly where that resolves to
 bf16 (auto: a CUDA GPU, or a bf16-native CPU for models >= 256 wide); under bf16 atrctl recomputes the old
 logprobs too, for all mini-batches but the first (whose own first pass gives them).
+After the pairs, one more untimed eager process per side counts its matrix-product FLOPs per step
+(`torch.utils.flop_counter`), so the ratio splits into work avoided × speed per FLOP: the first is what
+the design buys, the second what the kernels and overheads give (`--no-flops` skips it).
 TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 
     python benchmarks/vs_trl.py                         # tiny, default recipe batch, 5 pairs
