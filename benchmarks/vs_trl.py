@@ -29,6 +29,7 @@ TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
     python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7
     python benchmarks/vs_trl.py --preset medium --autocast off        # float32 on both, whatever the CPU
     python benchmarks/vs_trl.py --compile                # atrctl's model.compile (update, decoding), TRL eager
+    python benchmarks/vs_trl.py --preset medium --old-logprobs sampler   # under bf16: what the recompute costs
     python benchmarks/vs_trl.py --device cuda --preset qwen2.5-0.5b-shape --max-new-tokens 256   # bf16 on both
 """
 
@@ -67,6 +68,7 @@ def recipe_for(args: argparse.Namespace):
             f"algo.skip_zero_advantage={str(args.skip_zero_advantage).lower()}",
             f"model.autocast={args.autocast}",
             f"model.compile={str(args.compile).lower()}",
+            f"algo.old_logprobs={args.old_logprobs}",
         ],
     )
 
@@ -264,7 +266,8 @@ def report(args: argparse.Namespace, pairs: list[dict[str, dict]], flops: dict[s
     print(
         f"\n{args.preset}, {args.prompts} prompts x {args.group_size}, max_new_tokens {args.max_new_tokens}, "
         f"{args.minibatches} mini-batches, mu {args.num_iterations}, loss {args.algo}, {args.threads} threads, "
-        f"{args.device}, bf16 autocast: atrctl {pairs[0]['atrctl']['bf16']}, TRL {pairs[0]['trl']['bf16']}; "
+        f"{args.device}, bf16 autocast: atrctl {pairs[0]['atrctl']['bf16']}, TRL {pairs[0]['trl']['bf16']}, "
+        f"atrctl's old logprobs {args.old_logprobs}; "
         f"{len(pairs)} pairs x {args.steps} steps (median [min, max] over pairs)"
     )
     print(f"| {'':7} | {'steps/s':>20} | {'tokens/s':>26} |")
@@ -324,6 +327,13 @@ def main() -> None:
         default="auto",
         choices=["auto", "bfloat16", "off"],
         help="atrctl's model.autocast; TRL gets bf16=True exactly where it resolves to bf16, so both compute alike",
+    )
+    parser.add_argument(
+        "--old-logprobs",
+        default="auto",
+        choices=["auto", "sampler", "recompute"],
+        help="atrctl's algo.old_logprobs (auto: the sampler's in float32, recomputed under bf16); TRL always "
+        "recomputes them with several mini-batches",
     )
     parser.add_argument(
         "--skip-zero-advantage",
