@@ -131,12 +131,10 @@ def _completion_states(
             states = decoder_pass.update_states(model, rollout, compiled=decoder_pass.is_compiled(path_of))
         else:
             states = _completion_outputs(
-                model.get_decoder(), rollout, lambda out: out.last_hidden_state, False, _shares_prefix(path_of)
+                model.get_decoder(), rollout, lambda out: out.last_hidden_state, False, path_of
             )
         return states, model.get_output_embeddings()
-    return _completion_outputs(
-        model, rollout, lambda out: out.logits, True, _shares_prefix(path_of)
-    ), torch.nn.Identity()
+    return _completion_outputs(model, rollout, lambda out: out.logits, True, path_of), torch.nn.Identity()
 
 
 def _shares_prefix(model: PreTrainedModel) -> bool:
@@ -188,17 +186,18 @@ def head_is_linear(model: PreTrainedModel) -> bool:
     return _LINEAR_HEAD[model]
 
 
-def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool, share_prefix: bool = True) -> torch.Tensor:
+def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool, layout_of=None) -> torch.Tensor:
     """`pick(module(...))` at the positions that predict each completion token: [B, T, ...] (a language
-    model, `is_lm`, is asked for the logits of those positions only).
+    model, `is_lm`, is asked for the logits of those positions only), laid out as `layout_of`'s pass is
+    (default: `module`'s).
 
     Rows of a GRPO group share their prompt, so the prompt runs through the model once per distinct
     prompt (a run of consecutive rows with equal ids and mask) and its KV cache, graph included, is
     indexed out to each row; the completions then run on top of it.  Same function as one pass over
     prompt + completion (the gradient reaches the prompt's activations through the cache), with the
-    prompt's share of the work divided by G.  Without `share_prefix` (activation checkpointing turns the
-    cache off: `_shares_prefix`), where no two rows share a prompt, and where the model turned out to
-    ignore the cache, it takes the single pass.
+    prompt's share of the work divided by G.  Where no two rows share a prompt, where `layout_of` does
+    not share it (activation checkpointing turns the cache off: `_shares_prefix`), and where the model
+    turned out to ignore the cache, it takes the single pass.
     """
     from transformers import DynamicCache
 
@@ -214,7 +213,8 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool, share_prefi
         return _single_pass(module, rollout, pick, is_lm)
 
     first_rows, counts = equal_runs(torch.cat([prompt, prompt_mask], dim=1))
-    if len(counts) == prompt.shape[0] or not share_prefix:
+    # asked only where rows share a prompt: transformers walks the modules for `is_activation_checkpointing`
+    if len(counts) == prompt.shape[0] or not _shares_prefix(module if layout_of is None else layout_of):
         return single_pass()
     width = prompt.shape[1]
     cache = DynamicCache(config=config)
