@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared GPU checks, each about 5 minutes; run from anywhere, everything goes to stdout.
+# Prepared GPU checks, each at most 5 minutes (the timeouts below); run from anywhere, everything goes to stdout.
 #   benchmarks/gpu_check.sh [scaling]   step time, tokens/s, MFU and peak GPU memory of the default recipe on the
 #                                       tiny, medium and Qwen2.5-0.5B-shaped models (bf16 autocast, 64 prompts x 8,
 #                                       256 new tokens, EOS suppressed), then the CUDA tests (one GPU; model.compile
@@ -25,8 +25,8 @@ PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 case "${1:-scaling}" in
 scaling)
-    timeout 420 python3 benchmarks/scaling.py --no-cpu --gpu --steps 2
-    timeout 120 python3 -m pytest -q -m gpu tests || true
+    timeout 230 python3 benchmarks/scaling.py --no-cpu --gpu --steps 2
+    timeout 60 python3 -m pytest -q -m gpu tests || true
     ;;
 shard)
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
