@@ -39,7 +39,7 @@ def import_gguf(file: Path, out: Path, overwrite: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32, use_kernels=False)
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except Exception as error:  # an architecture transformers cannot read from GGUF, a damaged file, ...
         raise UserError(f"transformers cannot load {file} ({first_line(error)})") from None
@@ -52,7 +52,7 @@ def import_gguf(file: Path, out: Path, overwrite: bool = False) -> dict:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32).eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32, use_kernels=False).eval()
         with torch.no_grad():
             difference = (model(ids).logits - reloaded(ids).logits).abs().max().item()
         if difference != 0.0:

@@ -101,6 +101,9 @@ def load_model(
     Weights the checkpoint lacks (which transformers initialises at random) or has in excess are reported:
     a UserError when `strict` (a run's own final model must be whole), else a warning naming them.
 
+    Hub kernels stay off (`use_kernels=False`): transformers >= 5.25 otherwise swaps layers for kernels it
+    downloads from the hub at `model.train()` on a GPU, which fails offline and changes numerics atrctl tests.
+
     The tokenizer always has a pad token (its EOS when it has none) and pads on the left, the side
     generation needs; atrctl's sampler pads prompts itself, so this only matters to other callers.
     """
@@ -116,7 +119,9 @@ def load_model(
         source = _local_or_hub(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
-            model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, output_loading_info=True)
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                source, dtype=torch_dtype, output_loading_info=True, use_kernels=False
+            )
         except (OSError, ValueError, SafetensorError) as err:
             raise UserError(
                 f"model '{name_or_path}' could not be loaded ({first_line(err)}): give a preset "

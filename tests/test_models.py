@@ -76,6 +76,16 @@ def test_saved_model_reloads_with_identical_logits(tokenizer, saved_tiny):
     assert not loaded.training and loaded_tokenizer.pad_token_id == 0
 
 
+def test_a_loaded_model_never_asks_the_hub_for_kernels(saved_tiny):
+    """transformers >= 5.25 turns hub kernels on by default: on a GPU, `model.train()` then downloads layer
+    replacements (seen on an offline H200: "could not verify publisher trust status"). atrctl loads with them off."""
+    path, _ = saved_tiny
+    loaded, _ = load_model(str(path), device="cpu", dtype="float32")
+    assert loaded.use_kernels is False
+    loaded.train()
+    assert loaded.use_kernels is False
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize(("preset", "millions"), [("tiny", 0.14), ("small", 0.53), ("medium", 4.2)])
 def test_preset_sizes(tokenizer, preset, millions, arch):
