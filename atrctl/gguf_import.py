@@ -39,7 +39,9 @@ def import_gguf(file: Path, out: Path, overwrite: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32, use_kernels=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            file.parent, gguf_file=file.name, dtype=torch.float32, use_kernels=False
+        )
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except Exception as error:  # an architecture transformers cannot read from GGUF, a damaged file, ...
         raise UserError(f"transformers cannot load {file} ({first_line(error)})") from None
