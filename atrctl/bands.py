@@ -34,11 +34,17 @@ def tv_band_bounds(old_logp: Tensor, delta: float, dtype: torch.dtype = torch.fl
 
     p_new in [max(p - delta, 0), min(p + delta, 1)], divided by p:
     l = max(1 - delta/p, 0), u = min(1 + delta/p, 1/p).
+
+    1/p is computed as exp(-log p), the very expression of the ratio of a token whose new logprob is 0
+    (float32 log-softmax gives exactly 0 to a dominant token): such a token sits exactly on u on every
+    device.  As 1.0 / exp(log p) it landed an ulp on either side of its ratio, clipped on a GPU and not on
+    the CPU (tests/test_losses.py::test_cuda_matches_cpu, seen on an H200).
     """
     delta = _check_delta(delta)
-    p = old_logp.detach().to(dtype).clamp(max=0.0).exp()
+    log_p = old_logp.detach().to(dtype).clamp(max=0.0)
+    p = log_p.exp()
     low = (1.0 - delta / p).clamp(min=0.0)
-    high = torch.minimum(1.0 + delta / p, 1.0 / p)
+    high = torch.minimum(1.0 + delta / p, (-log_p).exp())
     return low, high
 
 

@@ -11,6 +11,7 @@ from atrctl.losses import (
     AGGREGATIONS,
     LOG_RATIO_LIMIT,
     POLICY_LOSSES,
+    _prepare,
     aggregate,
     finish_metrics,
     loss_objective,
@@ -374,6 +375,16 @@ def test_tv_band_bounds_meet_the_constraint_and_stay_in_0_1(delta):
     low32, high32 = tv_band_bounds(OLD_LOGP, delta)
     assert low32.dtype == torch.float32 and (low32 >= 0).all() and (p * high32 <= 1 + 1e-6).all()
     torch.testing.assert_close(low32.double(), low, rtol=1e-6, atol=1e-7)
+
+
+def test_a_token_the_policy_now_takes_with_probability_1_sits_exactly_on_the_tv_bands_upper_bound():
+    """Where p_old + delta >= 1 the bound u is 1/p_old, the ratio of a token whose new logprob is exactly 0:
+    the two must be the same float, or the clip decision at that token rests on rounding that differs
+    between devices (a GPU clipped one such token and the CPU did not)."""
+    old_logp = -torch.logspace(-6, math.log10(0.2), 2000)
+    _, high = tv_band_bounds(old_logp, 0.2)
+    ratio = _prepare(torch.zeros(1, 2000), old_logp[None], torch.ones(1), torch.ones(1, 2000)).ratio
+    assert torch.equal(ratio[0], high)
 
 
 @pytest.mark.parametrize("delta", [1e-6, 1e-3, 0.1, 2.0])
