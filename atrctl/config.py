@@ -150,9 +150,9 @@ class AlgoConfig:
     micro_batch: int = 0
     """Most completions per forward/backward: gradients accumulate over micro-batches, weighted so that the
     optimiser step is the same as without them, for every aggregation.  The rows are cut longest completion
-    first, so each micro-batch pads its rows to similar lengths.  0 = as many as 4 GiB of activations hold at
-    each micro-batch's longest row (`models.sized_micro_batch`): a whole mini-batch of the tiny presets, 5 rows
-    of SmolLM2-135M at 320 tokens, more where the replies are shorter."""
+    first, so each micro-batch pads its rows to similar lengths.  0 = as many as 4 GiB of activations (on a GPU,
+    a quarter of its memory) hold at each micro-batch's longest row (`models.sized_micro_batch`): on a CPU a
+    whole mini-batch of the tiny presets, 5 rows of SmolLM2-135M at 320 tokens, more where replies are shorter."""
     skip_zero_advantage: bool = True
     """Leave out of the forward/backward the rows whose advantage is exactly 0 (every completion of a group
     with one reward): they carry no policy-loss gradient.  Only where no other term needs them (beta = 0,

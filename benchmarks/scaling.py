@@ -9,6 +9,7 @@ cell (1.00 = the step grows exactly linearly with the tokens generated).
 
     python benchmarks/scaling.py                               # tiny and medium on CPU, 8 prompts
     python benchmarks/scaling.py --presets tiny --groups 4 8 --lengths 16 64
+    python benchmarks/scaling.py --no-cpu --gpu --gpu-models qwen2.5-0.5b-shape --set algo.micro_batch=3
 
 When CUDA is present (or with --gpu) it also runs the GPU section: bf16 autocast, medium and a
 model of Qwen2.5-0.5B's shape built from its config (24 layers, hidden 896, 14 heads, 2 KV heads,
@@ -62,7 +63,15 @@ def model_flops_per_step(run, generated: float, prompts: int, prompt_tokens: int
 
 
 def measure(
-    model_dir: Path, scratch: Path, device: str, prompts: int, group: int, length: int, steps: int, minibatches: int
+    model_dir: Path,
+    scratch: Path,
+    device: str,
+    prompts: int,
+    group: int,
+    length: int,
+    steps: int,
+    minibatches: int,
+    overrides: list[str],
 ) -> dict[str, float]:
     recipe = load_recipe(
         "recipes/default.toml",
@@ -75,6 +84,7 @@ def measure(
             f"rollout.max_new_tokens={length}",
             f"algo.minibatches={minibatches}",
             f"run.steps={steps + 1}",
+            *overrides,
         ],
     )
     run = build_run(recipe, scratch / f"{model_dir.name}-{group}-{length}", scratch)
@@ -101,7 +111,7 @@ def cpu_grid(args: argparse.Namespace, scratch: Path) -> None:
     for preset in args.presets:
         model_dir = save_model(preset, scratch)
         cells = {
-            (g, t): measure(model_dir, scratch, "cpu", args.prompts, g, t, args.steps, args.minibatches)
+            (g, t): measure(model_dir, scratch, "cpu", args.prompts, g, t, args.steps, args.minibatches, args.set)
             for g in args.groups
             for t in args.lengths
         }
@@ -132,7 +142,7 @@ def gpu_section(args: argparse.Namespace, scratch: Path) -> None:
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     print(
         f"\nGPU: {name}, bf16 autocast, {args.gpu_prompts} prompts x {args.gpu_group}, "
-        f"max_new_tokens {args.gpu_length}, {args.minibatches} mini-batches"
+        f"max_new_tokens {args.gpu_length}, {args.minibatches} mini-batches {' '.join(args.set)}"
     )
     print("| model | parameters | step s | tokens/s | sampling share | model TFLOP/s | MFU | peak GPU memory |")
     print("|---|---|---|---|---|---|---|---|")
@@ -140,7 +150,15 @@ def gpu_section(args: argparse.Namespace, scratch: Path) -> None:
         model_dir = save_model(model, scratch)
         torch.cuda.reset_peak_memory_stats()
         cell = measure(
-            model_dir, scratch, "cuda", args.gpu_prompts, args.gpu_group, args.gpu_length, args.steps, args.minibatches
+            model_dir,
+            scratch,
+            "cuda",
+            args.gpu_prompts,
+            args.gpu_group,
+            args.gpu_length,
+            args.steps,
+            args.minibatches,
+            args.set,
         )
         mfu = f"{cell['flops'] / (peak * 1e12):.1%}" if peak else "n/a (give --peak-tflops)"
         print(
@@ -166,6 +184,9 @@ def main() -> None:
     parser.add_argument("--gpu-prompts", type=int, default=64)
     parser.add_argument("--gpu-group", type=int, default=8)
     parser.add_argument("--gpu-length", type=int, default=256)
+    parser.add_argument(
+        "--set", action="append", default=[], help="a recipe override (repeatable), e.g. algo.micro_batch=3"
+    )
     parser.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s, if not in the table")
     args = parser.parse_args()
     set_cpu_threads(args.threads)

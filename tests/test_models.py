@@ -204,3 +204,18 @@ def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
         monkeypatch.setattr(Path, "read_text", real)
     finally:
         models.cpu_has_native_bf16.cache_clear()
+
+
+def test_the_update_budget_is_a_quarter_of_a_gpus_memory_and_4_gib_on_a_cpu(monkeypatch, tokenizer):
+    """A GPU sizes default micro-batches from its own memory: the CPU's 4 GiB cut a 0.5B model's 256-token
+    rows into passes of 3 on an H200, each too small to fill it."""
+
+    class Card:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Card)
+    assert models.update_budget(torch.device("cpu")) == 4 * 2**30
+    assert models.update_budget(torch.device("cuda", 0)) == 20 * 2**30
+    model = build_model("medium", tokenizer)
+    per_row = models.activation_bytes_per_token(model, 2000) * 2000
+    assert models.sized_micro_batch(model, 2000) == 4 * 2**30 // per_row  # its parameters are on the CPU
