@@ -8,8 +8,8 @@
 #                                       machine (two or more), then LoRA on one GPU: tokens/s, MFU, peak memory per rank
 #
 # The machine needs a CUDA torch.  Anything else atrctl needs that is missing there travels as wheels in
-# .whl/ (built here with `pip download --no-deps --only-binary=:all: ... -d .whl NAME==VERSION`, at least
-# transformers 5.24 for the `cache=` argument); they are installed into /tmp/site first.
+# .whl/ (benchmarks/gpu_wheels.sh downloads them where pip has a registry: at least transformers 5.24 for
+# the `cache=` argument, and what that pulls in); they are installed into /tmp/site first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" > /dev/null; then
