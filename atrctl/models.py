@@ -331,13 +331,16 @@ def activation_bytes_per_token(model: torch.nn.Module, tokens_per_row: int, chec
     return 4 * layers * layer
 
 
-def sized_micro_batch(model: torch.nn.Module, tokens_per_row: int, checkpointing: bool | None = None) -> int:
-    """Rows per forward/backward where algo.micro_batch is 0: as many as the device's `update_budget` of
-    activations holds at `tokens_per_row` (at least 1).  On a CPU, SmolLM2-135M at 320 tokens: 5 rows; the
-    tiny presets: whole mini-batches.  A constant budget (not the free memory) keeps a run's arithmetic a
-    function of its recipe."""
+def sized_micro_batch(
+    model: torch.nn.Module, tokens_per_row: int, checkpointing: bool | None = None, budget: int | None = None
+) -> int:
+    """Rows per forward/backward where algo.micro_batch is 0: as many as `budget` bytes of activations hold
+    at `tokens_per_row` (at least 1); None = the `update_budget` of the model's device (pass it when calling
+    often, as with `checkpointing`).  On a CPU, SmolLM2-135M at 320 tokens: 5 rows; the tiny presets: whole
+    mini-batches.  A constant budget (not the free memory) keeps a run's arithmetic a function of its recipe."""
     per_token = activation_bytes_per_token(model, tokens_per_row, checkpointing)
-    budget = update_budget(next(model.parameters()).device)
+    if budget is None:
+        budget = update_budget(next(model.parameters()).device)
     return max(1, budget // max(1, per_token * tokens_per_row))
 
 

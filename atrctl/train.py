@@ -60,7 +60,7 @@ from atrctl.decoder_pass import compile_policy
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, metric_reduction, policy_loss
-from atrctl.models import Numerics, sized_micro_batch
+from atrctl.models import Numerics, sized_micro_batch, update_budget
 from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, prompt_style
 from atrctl.reporting import Reporters, check_installed, held_out_table, reporter_names
 from atrctl.rollback import Snapshot
@@ -651,11 +651,13 @@ def cut_micro_batches(model: torch.nn.Module, rollout: Rollout, trained: torch.T
         return micro_batches(trained, algo.micro_batch, lengths)
     prompt_width = trimmed(rows(rollout, trained)).prompt_ids.shape[1]
     checkpointing = getattr(model, "is_activation_checkpointing", False)  # asked once: it walks the modules
+    device = next(model.parameters()).device
+    budget = update_budget(device)
 
     def budgeted(length: int) -> int:
-        return sized_micro_batch(model, prompt_width + length, checkpointing)
+        return sized_micro_batch(model, prompt_width + length, checkpointing, budget)
 
-    pass_tokens = PASS_TOKENS.get(next(model.parameters()).device.type, FEWEST_PASSES)
+    pass_tokens = PASS_TOKENS.get(device.type, FEWEST_PASSES)
     return micro_batches(trained, 0, lengths, budgeted, pass_tokens)
 
 

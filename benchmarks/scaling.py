@@ -142,7 +142,7 @@ def gpu_section(args: argparse.Namespace, scratch: Path) -> None:
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     print(
         f"\nGPU: {name}, bf16 autocast, {args.gpu_prompts} prompts x {args.gpu_group}, "
-        f"max_new_tokens {args.gpu_length}, {args.minibatches} mini-batches {' '.join(args.set)}"
+        f"max_new_tokens {args.gpu_length}, {args.minibatches} mini-batches" + "".join(f", {item}" for item in args.set)
     )
     print("| model | parameters | step s | tokens/s | sampling share | model TFLOP/s | MFU | peak GPU memory |")
     print("|---|---|---|---|---|---|---|---|")
