@@ -124,9 +124,20 @@ def clip_fractions(
         fractions["clip/dual"] = ((ratio > dual_clip) & negative & mask).sum() / count
     if bins is not None:
         for side, where in removed.items():
-            for index, name in enumerate(OLD_PROBABILITY_BINS):
-                fractions[f"clip/{side}/{name}"] = (where & (bins == index)).sum() / count
+            per_bin = cell_sums(bins, where, len(OLD_PROBABILITY_BINS), where.float())[0] / count
+            fractions.update({f"clip/{side}/{name}": per_bin[i] for i, name in enumerate(OLD_PROBABILITY_BINS)})
     return fractions
+
+
+def cell_sums(cells: Tensor, where: Tensor, n_cells: int, *values: Tensor) -> list[Tensor]:
+    """Each of `values` summed per cell index in [0, n_cells) over the entries `where` holds: [n_cells] each.
+    One scatter per value instead of a mask and a sum per cell (the diagnostics' 16 cells were about a third
+    of the loss's time on a tiny micro-batch); no host sync, unlike indexing by a boolean mask."""
+    index = torch.where(where, cells, n_cells).flatten()  # the entries left out land in one extra cell
+    return [
+        torch.zeros(n_cells + 1, dtype=value.dtype, device=value.device).index_add_(0, index, value.flatten())[:-1]
+        for value in values
+    ]
 
 
 def _ratio_clip(tokens: Tokens, low: Bound, high: Bound, dual_clip: float | None):
@@ -521,12 +532,15 @@ def _movement_by_bin(tokens: Tokens, count: Tensor) -> dict[str, Tensor]:
     `dlogp/<sign>/<bin>`, the sum of ln w = logp - old_logp over the cell divided by all masked tokens.
     Both are token-weighted means, so they combine over micro-batches like every other metric;
     `finish_metrics` then divides the second by the first: the cell's mean change of log-probability."""
-    bins, cells = old_probability_bin(tokens.old_logp), {}
-    for sign, side in (("pos", tokens.advantages > 0), ("neg", tokens.advantages < 0)):
+    n_bins, cells = len(OLD_PROBABILITY_BINS), {}
+    negative = (tokens.advantages < 0).long()  # cell = bin for A > 0, n_bins + bin for A < 0
+    cell = negative * n_bins + old_probability_bin(tokens.old_logp)
+    where = tokens.mask & (tokens.advantages != 0)
+    shares, moves = (total / count for total in cell_sums(cell, where, 2 * n_bins, where.float(), tokens.log_ratio))
+    for offset, sign in ((0, "pos"), (n_bins, "neg")):
         for index, name in enumerate(OLD_PROBABILITY_BINS):
-            where = side & (bins == index) & tokens.mask
-            cells[f"tokens/{sign}/{name}"] = where.sum() / count
-            cells[f"dlogp/{sign}/{name}"] = torch.where(where, tokens.log_ratio, 0.0).sum() / count
+            cells[f"tokens/{sign}/{name}"] = shares[offset + index]
+            cells[f"dlogp/{sign}/{name}"] = moves[offset + index]
     return cells
 
 

@@ -63,8 +63,24 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
 def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
     """Each completion's text, up to (not including) its EOS, without special tokens."""
     lengths = rollout.completion_mask.sum(-1).tolist()
-    rows = rollout.completion_ids.tolist()
-    return [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths, strict=True)]
+    rows = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths, strict=True)]
+    if _decodes_as_its_backend(tokenizer):  # one call into the Rust tokenizer instead of one per row
+        return tokenizer.backend_tokenizer.decode_batch(rows, skip_special_tokens=True)
+    return [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+
+
+def _decodes_as_its_backend(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer.decode` returns exactly its Rust backend's decode: a fast tokenizer whose decoding
+    is transformers' own (no subclass override) and that cleans up no spaces afterwards.  Per-row decode
+    costs ~6 µs of Python a row, 2-4x the batched call (the default recipe's 512 rows: ~3 ms of a tiny
+    model's ~180 ms step on a 2-core CPU)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
 
 
 class NonFiniteProbabilities(RuntimeError):

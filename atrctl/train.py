@@ -12,6 +12,7 @@ gradients are summed over ranks after each mini-batch, and rank 0 alone evaluate
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import threading
@@ -965,14 +966,19 @@ def lr_at(step: int, lr: float, schedule: str, warmup_steps: int, total_steps: i
 
 def prompts_for_step(pool_size: int, step: int, prompts: int, seed: int) -> list[int]:
     """Indices into the prompt pool for one step: epochs of seeded permutations, a pure function of step."""
-    indices, permutations = [], {}
+    indices = []
     for position in range(step * prompts, (step + 1) * prompts):
         epoch, offset = divmod(position, pool_size)
-        if epoch not in permutations:
-            generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)  # as ever below 2^63
-            permutations[epoch] = torch.randperm(pool_size, generator=generator).tolist()
-        indices.append(permutations[epoch][offset])
+        indices.append(_epoch_order(pool_size, epoch, seed)[offset])
     return indices
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(pool_size: int, epoch: int, seed: int) -> tuple[int, ...]:
+    """The pool's order in one epoch; kept, since every step of the epoch reads it (a 10k-prompt pool's
+    permutation took ~1.5 ms a step, ~1% of a tiny model's)."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)  # as ever below 2^63
+    return tuple(torch.randperm(pool_size, generator=generator).tolist())
 
 
 def combine_metrics(steps: list[dict[str, float]]) -> dict[str, float]:

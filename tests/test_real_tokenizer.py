@@ -17,7 +17,7 @@ from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs
 from atrctl.models import Numerics, load_model
 from atrctl.prompts import PromptStyle, encode_prompts, prompt_style
-from atrctl.rollout import decode_completions
+from atrctl.rollout import Rollout, _decodes_as_its_backend, decode_completions
 from atrctl.sampling import HFSampler, stop_tokens
 from atrctl.tasks import get_task
 
@@ -190,3 +190,29 @@ def test_one_step_of_the_smollm2_recipe_runs_on_its_stand_in(model_dir, tmp_path
     assert record["step"] == 1 and "eval/greedy" in record
     shown = json.loads((tmp_path / "run" / "samples" / "step-1.jsonl").read_text().splitlines()[0])
     assert shown["prompt"].startswith(f"<|im_start|>system\n{DEFAULT_SYSTEM}") and "What is " in shown["prompt"]
+
+
+def test_completions_decode_in_one_batch_exactly_as_row_by_row(model_dir):
+    """The batched Rust decode must give transformers' per-row text: random ids over the whole 49k vocabulary
+    (special tokens, byte pieces that cut a UTF-8 character in half, empty rows) and real replies."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert _decodes_as_its_backend(tokenizer)  # the batched path is the one under test
+    replies = ["The answer is 42.", "  héllo wörld — ok\n\n```py\nx = 1\n```", "数学 2+2=4 ✓", "<|im_end|>"]
+    encoded = [tokenizer(text)["input_ids"] for text in replies]
+    generator = torch.Generator().manual_seed(0)
+    width = 40
+    ids = torch.randint(0, len(tokenizer), (60, width), generator=generator)
+    for row, tokens in enumerate(encoded):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+    lengths = torch.randint(0, width + 1, (60,), generator=generator)
+    lengths[: len(encoded)] = torch.tensor([len(tokens) for tokens in encoded])
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    rollout = Rollout(ids[:, :1], torch.ones(60, 1, dtype=torch.long), ids, mask, torch.zeros(60, width))
+    expected = [
+        tokenizer.decode(row[:n], skip_special_tokens=True)
+        for row, n in zip(ids.tolist(), lengths.tolist(), strict=True)
+    ]
+    assert decode_completions(tokenizer, rollout) == expected
+    assert expected[:4] == [*replies[:3], ""]  # real replies come back whole; a special token is dropped

@@ -433,3 +433,32 @@ def test_a_cache_whose_layers_keep_other_state_keeps_every_row(model, tokenizer,
             hook.remove()
     assert rollout.completion_mask.sum(1).min() < rollout.completion_ids.shape[1]  # rows did end early
     assert set(seen) == {len(prompts) * 4}
+
+
+def test_the_character_tokenizer_decodes_a_batch_as_row_by_row(tokenizer):
+    from atrctl.rollout import _decodes_as_its_backend
+
+    assert _decodes_as_its_backend(tokenizer)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, len(tokenizer), (50, 12), generator=generator)  # specials and <unk> included
+    lengths = torch.randint(0, 13, (50,), generator=generator)
+    mask = (torch.arange(12)[None, :] < lengths[:, None]).long()
+    rollout = Rollout(ids[:, :1], torch.ones(50, 1, dtype=torch.long), ids, mask, torch.zeros(50, 12))
+    expected = [
+        tokenizer.decode(row[:n], skip_special_tokens=True)
+        for row, n in zip(ids.tolist(), lengths.tolist(), strict=True)
+    ]
+    assert decode_completions(tokenizer, rollout) == expected
+    assert any(len(text) > 5 for text in expected)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer, monkeypatch):
+    """transformers post-processes a decode when clean_up_tokenization_spaces is set (" ." -> "."): the batched
+    backend call would skip that, so such a tokenizer decodes row by row."""
+    from atrctl.rollout import _decodes_as_its_backend
+
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert not _decodes_as_its_backend(tokenizer)
+    ids = torch.tensor([tokenizer("1 . 2")["input_ids"]])
+    rollout = Rollout(ids[:, :1], torch.ones(1, 1, dtype=torch.long), ids, torch.ones_like(ids), torch.zeros(ids.shape))
+    assert decode_completions(tokenizer, rollout) == [tokenizer.decode(ids[0].tolist(), skip_special_tokens=True)]
