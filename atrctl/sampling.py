@@ -202,7 +202,7 @@ def _prefill_on_buffers(model: PreTrainedModel, prompt_ids, prompt_mask, positio
     """The prompts' pass through `decoder_pass.prefill` (compiled): its keys and values written into the
     cache here; the last position's logits [D, V]."""
     step = decoder_pass.compiled_prefill(*prompt_ids.shape)
-    rope = decoder_pass.rotary(model.get_decoder(), positions)
+    rope = decoder_pass.rotary(model.get_decoder(), positions, below=prompt_ids.shape[1])
     logits, keys, values = step(model, prompt_ids, rope, decoder_pass.causal_mask(prompt_mask))
     for layer, key, value in zip(cache.layers, keys, values, strict=True):
         layer.update(key, value)
@@ -214,7 +214,8 @@ def _decode_on_buffers(model: PreTrainedModel, token, positions, mask, cache) ->
     positions, and its new keys and values are appended here, in place."""
     layers = cache.layers
     step = decoder_pass.compiled_decode_step(len(token), cache.get_seq_length())
-    rope = decoder_pass.rotary(model.get_decoder(), positions)  # outside the compiled step: no cos/sin there
+    # outside the compiled step (no cos/sin there); a new token's position is at most the cache's filled length
+    rope = decoder_pass.rotary(model.get_decoder(), positions, below=cache.get_seq_length() + 1)
     logits, keys, values = step(
         model, token, rope, mask.bool(), [layer.keys for layer in layers], [layer.values for layer in layers]
     )

@@ -222,9 +222,8 @@ def test_the_prefill_equals_transformers_prefill_on_left_padded_prompts(arch, at
     cache = preallocated_cache(model, prompt_ids.shape[1])
     with torch.no_grad():
         want = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache).logits
-        got, keys, values = decoder_pass.prefill(
-            model, prompt_ids, rotary(model.get_decoder(), positions), decoder_pass.causal_mask(prompt_mask)
-        )
+        rope = rotary(model.get_decoder(), positions, below=prompt_ids.shape[1])
+        got, keys, values = decoder_pass.prefill(model, prompt_ids, rope, decoder_pass.causal_mask(prompt_mask))
     torch.testing.assert_close(got, want[:, -1], atol=1e-5, rtol=1e-5)
     real = prompt_mask.bool()[:, None, :, None]  # padded positions' keys are masked wherever they are read
     for layer, k, v in zip(cache.layers, keys, values, strict=True):
@@ -239,8 +238,9 @@ def test_a_decoding_step_equals_transformers_step_on_the_same_cache(arch):
     token = rollout.completion_ids[:, 0]
     logits, before, after, mask, step = transformers_step(model, rollout.prompt_ids, rollout.prompt_mask, token)
     with torch.no_grad():
+        rope = rotary(model.get_decoder(), step, below=mask.shape[1])
         got, keys, values = decoder_pass.decode_step(
-            model, token, rotary(model.get_decoder(), step), mask.bool(), [k for k, _ in before], [v for _, v in before]
+            model, token, rope, mask.bool(), [k for k, _ in before], [v for _, v in before]
         )
     torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5)
     for (k, v), new_k, new_v in zip(after, keys, values, strict=True):
@@ -355,3 +355,18 @@ def test_the_passs_flops_can_be_counted_without_gradients():
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         forward.completion_logprobs(model, rollout)
     assert counter.get_total_flops() > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_rotary_phases_come_from_a_table_equal_to_the_models_own_and_grown_on_demand(arch):
+    model = small_model(arch)
+    decoder = model.get_decoder()
+    embeddings = decoder.embed_tokens.weight.detach()
+    first = decoder_pass._rotary_table(decoder, 10)
+    assert first[0].shape[0] == decoder_pass.ROTARY_TABLE_MIN
+    assert decoder_pass._rotary_table(decoder, 200) is first  # no recomputation while it covers the positions
+    positions = torch.randint(0, 1000, (5, 37), generator=torch.Generator().manual_seed(0))
+    cos, sin = rotary(decoder, positions, below=1000)
+    assert decoder_pass._rotary_table(decoder, 1)[0].shape[0] == 1024  # doubled past the largest position
+    want_cos, want_sin = decoder.rotary_emb(embeddings[:1], positions.reshape(1, -1))
+    assert torch.equal(cos, want_cos.view_as(cos)) and torch.equal(sin, want_sin.view_as(sin))
