@@ -210,8 +210,8 @@ def rotary(decoder, positions: torch.Tensor, below: int) -> Rotary:
 
     Looked up in a table of the module's phases for the first positions, computed once per model, dtype and
     device and grown by doubling: computed per pass they took ~0.2 ms of the ~0.6 ms of a tiny micro-batch's
-    inputs, a dozen times a step (its update's micro-batches and every decoding step).  The sampler and the
-    update read the same table, so their phases agree to the bit."""
+    inputs, a dozen times a step (its update's micro-batches and every decoding step).  The compiled sampler
+    and the update read the same table, so their phases agree to the bit."""
     flat = positions.flatten()
     return tuple(table.index_select(0, flat).view(*positions.shape, -1) for table in _rotary_table(decoder, below))
 
