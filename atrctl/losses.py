@@ -532,9 +532,9 @@ def _movement_by_bin(tokens: Tokens, count: Tensor) -> dict[str, Tensor]:
     Both are token-weighted means, so they combine over micro-batches like every other metric;
     `finish_metrics` then divides the second by the first: the cell's mean change of log-probability."""
     n_bins, cells = len(OLD_PROBABILITY_BINS), {}
-    negative = (tokens.advantages < 0).long()  # cell = bin for A > 0, n_bins + bin for A < 0
-    cell = negative * n_bins + old_probability_bin(tokens.old_logp)
-    where = tokens.mask & ((tokens.advantages > 0) | (tokens.advantages < 0))  # A = 0 (or NaN) is in no cell
+    positive, negative = tokens.advantages > 0, tokens.advantages < 0
+    cell = negative.long() * n_bins + old_probability_bin(tokens.old_logp)  # A > 0: its bin; A < 0: n_bins + bin
+    where = tokens.mask & (positive | negative)  # A = 0 (or NaN) is in no cell
     shares, moves = (total / count for total in cell_sums(cell, where, 2 * n_bins, where.float(), tokens.log_ratio))
     for offset, sign in ((0, "pos"), (n_bins, "neg")):
         for index, name in enumerate(OLD_PROBABILITY_BINS):
