@@ -41,11 +41,9 @@ def eos_bias(model, tokenizer, bias):
 
 
 def run(model, tokenizer, prompts, seed=0, **kwargs):
-    kwargs = {"max_new_tokens": 12, **kwargs}
+    kwargs = {"max_new_tokens": 12, "eos_id": tokenizer.eos_token_id, **kwargs}
     generator = torch.Generator().manual_seed(seed)
-    return sample(
-        model, prompts, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=generator, **kwargs
-    )
+    return sample(model, prompts, pad_id=tokenizer.pad_token_id, generator=generator, **kwargs)
 
 
 def alone_logits(model, ids):
@@ -462,3 +460,45 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer, monke
     ids = torch.tensor([tokenizer("1 . 2")["input_ids"]])
     rollout = Rollout(ids[:, :1], torch.ones(1, 1, dtype=torch.long), ids, torch.ones_like(ids), torch.zeros(ids.shape))
     assert decode_completions(tokenizer, rollout) == [tokenizer.decode(ids[0].tolist(), skip_special_tokens=True)]
+
+
+# ------------------------------------------------------------- bf16 autocast keeps its weight casts
+
+
+def weight_casts(linears, make):
+    """How many times `make()` converted a Linear weight to another dtype: profiled conversions whose input has a
+    weight's 2-D shape (the activations are 3-D).  A dispatch mode would not see them under inference_mode."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shapes = [[list(w.shape)] for w in linears]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+        made = make()
+    events = [e for e in profiler.events() if e.name == "aten::_to_copy" and e.input_shapes[:1] in shapes]
+    return made, len(events)
+
+
+def test_under_bf16_autocast_each_weight_is_cast_once_a_rollout_and_nothing_changes(model, tokenizer, prompts):
+    """Under inference_mode autocast casts every weight at every decoding step; the sampler keeps its casts
+    (`sampling._without_grad`), and a cast kept is the cast made again: the same tokens and logprobs."""
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # no row ends early: six forward passes
+        kept, casts = weight_casts(linears, lambda: run(model, tokenizer, prompts, max_new_tokens=6, eos_id=99))
+    assert kept.completion_ids.shape[1] == 6
+    assert casts == len(linears)  # once each, not six times
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        recast = run(model, tokenizer, prompts, max_new_tokens=6, eos_id=99)
+    assert torch.equal(kept.completion_ids, recast.completion_ids)
+    assert torch.equal(kept.logprobs, recast.logprobs)
+
+
+@pytest.mark.parametrize(
+    ("autocast", "compiled", "keeps"), [(True, False, True), (True, True, False), (False, False, False)]
+)
+def test_casts_are_kept_only_where_that_won(autocast, compiled, keeps):
+    """no_grad (casts kept) for eager sampling under autocast; inference_mode, cheaper, everywhere else."""
+    from atrctl.sampling import _without_grad
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        mode = _without_grad(torch.device("cpu"), compiled)
+    assert isinstance(mode, torch.no_grad) is keeps
+    assert isinstance(mode, torch.inference_mode) is not keeps
