@@ -44,17 +44,24 @@ def autocast(on: bool):
 
 
 def draw(model, prompts, group: int, tokens: int, bf16: bool, seed: int = 0):
+    """`sample` as `HFSampler.generate` runs it: in eval mode (a training-mode model decodes through SDPA,
+    not the sampler's own decode attention), under the autocast of `bf16`."""
     vocab = model.config.vocab_size
-    with autocast(bf16):  # sample() runs under inference_mode itself; what it returns can enter a graph
-        return sample(
-            model,
-            prompts,
-            repeats=group,
-            max_new_tokens=tokens,
-            eos_id=[vocab],  # an id no row can draw: every completion is `tokens` long
-            pad_id=0,
-            generator=torch.Generator().manual_seed(seed),
-        )
+    training = model.training
+    model.eval()
+    try:
+        with autocast(bf16):  # sample() turns gradients off itself; what it returns can enter a graph
+            return sample(
+                model,
+                prompts,
+                repeats=group,
+                max_new_tokens=tokens,
+                eos_id=[vocab],  # an id no row can draw: every completion is `tokens` long
+                pad_id=0,
+                generator=torch.Generator().manual_seed(seed),
+            )
+    finally:
+        model.train(training)
 
 
 def update_pass(model, rollout, bf16: bool) -> float:
