@@ -17,25 +17,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from functools import partial
 
 import torch
-from cpu_bf16 import shape_model  # benchmarks/ is on sys.path
+from cpu_bf16 import draw, seconds, shape_model  # benchmarks/ is on sys.path
+from shapes import SIZES as BATCHES
 
 from atrctl import decoder_pass, sampling
 from atrctl.models import set_cpu_threads
 
-SIZES = {"medium": (64, 8, 8), "smollm2-135m": (4, 8, 32), "qwen2.5-0.5b": (2, 8, 32)}  # prompts, G, prompt tokens
-
-
-def rollout_seconds(model, ids, group: int, tokens: int) -> float:
-    started = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        sampling.sample(
-            model, ids, repeats=group, max_new_tokens=tokens, eos_id=[model.config.vocab_size], pad_id=0,
-            generator=torch.Generator().manual_seed(0),
-        )  # fmt: skip
-    return time.perf_counter() - started
+SIZES = {name: BATCHES[name][:3] for name in ("medium", "smollm2-135m", "qwen2.5-0.5b")}  # prompts, G, prompt tokens
 
 
 def main() -> None:
@@ -63,9 +54,9 @@ def main() -> None:
         for pair in range(args.pairs + 1):  # pair 0 warms both up
             for name in ("old", "new") if pair % 2 else ("new", "old"):
                 sampling._without_grad = ways[name]
-                seconds = rollout_seconds(model, ids, group, args.tokens)
+                took = seconds(partial(draw, model, ids, group, args.tokens, bf16=True))
                 if pair:
-                    times[name].append(seconds)
+                    times[name].append(took)
         sampling._without_grad = kept
         ratios = [o / n for o, n in zip(times["old"], times["new"], strict=True)]
         print(
