@@ -143,10 +143,10 @@ class AlgoConfig:
     """Where the sampling policy's logprobs (the ratio's denominator) come from: "sampler" keeps the ones the
     rollout computed token by token (no extra forward pass); "recompute" runs a no-grad forward pass with
     the update's numerics over every mini-batch but the first (whose own first pass, before any optimiser
-    step, gives its old logprobs); "auto" = the sampler's when the rollout backend says they match the training
-    forward pass (the hf sampler in float32), else recompute (bf16 autocast, where the KV-cache decode and
-    the full pass differ by more than float noise).  Only read when the update is off-policy (several
-    mini-batches or μ > 1)."""
+    step, gives its old logprobs); "auto" = the sampler's when the rollout backend says they may stand in
+    (the hf sampler in float32, where they match the training pass, and in bf16 on a CPU, where they differ
+    by bf16 rounding but the update on them was measured as close to float32's), else recompute (bf16 on
+    CUDA).  Only read when the update is off-policy (several mini-batches or μ > 1)."""
     micro_batch: int = 0
     """Most completions per forward/backward: gradients accumulate over micro-batches, weighted so that the
     optimiser step is the same as without them, for every aggregation.  The rows are cut longest completion

@@ -95,9 +95,10 @@ class RolloutBackend(Protocol):
     """
 
     @property
-    def logprobs_match_training(self) -> bool:
-        """Whether `Rollout.logprobs` equal the training forward pass's (to float noise), so an off-policy
-        update may use them as the ratio's denominator instead of recomputing them."""
+    def logprobs_reusable(self) -> bool:
+        """Whether `algo.old_logprobs = auto` may take `Rollout.logprobs` as an off-policy update's ratio
+        denominator instead of recomputing them: they are the probabilities the tokens were drawn from, and
+        either equal the training pass's to float noise or were measured to serve the update as well."""
         ...
 
     def generate(

@@ -30,9 +30,13 @@ class HFSampler:
         self.eos_id, self.pad_id = stop_tokens(model, tokenizer), tokenizer.pad_token_id
 
     @property
-    def logprobs_match_training(self) -> bool:
-        """In float32 the KV-cache decode equals a full pass to ~1e-6; under bf16 autocast it differs by more."""
-        return not self.numerics.autocast_enabled
+    def logprobs_reusable(self) -> bool:
+        """In float32 the KV-cache decode equals a full pass to ~1e-6.  Under bf16 autocast on a CPU it differs
+        by bf16 rounding (mean 0.03, max 0.36 nats on SmolLM2-135M), yet the tokens were drawn from exactly
+        these probabilities, and the update taken on them landed closer to the float32 update than one on
+        recomputed bf16 logprobs, in 10 of 12 rollouts (`benchmarks/old_logprobs_bf16.py`), while saving a
+        forward pass.  On CUDA that comparison has not been run, so bf16 there still recomputes."""
+        return not self.numerics.autocast_enabled or self.numerics.device.type == "cpu"
 
     def load_weights(self, model: PreTrainedModel) -> None:
         self.model = model  # the policy module itself: its new weights are already in place

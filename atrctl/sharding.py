@@ -123,8 +123,8 @@ class GatheredSampler:
         self.backend, self.full_copy = backend, full_copy
 
     @property
-    def logprobs_match_training(self) -> bool:
-        return self.backend.logprobs_match_training
+    def logprobs_reusable(self) -> bool:
+        return self.backend.logprobs_reusable
 
     def generate(self, *args, **kwargs):
         return self.backend.generate(*args, **kwargs)

@@ -918,11 +918,12 @@ def recomputes_old_logprobs(algo: AlgoConfig, sampler: RolloutBackend) -> bool:
     """Whether the update runs a forward pass for the ratio's denominator (see `AlgoConfig.old_logprobs`).
 
     Only off-policy updates need old logprobs.  "auto" reuses the rollout's own when its backend says they
-    match the training forward pass (the "hf" sampler in float32: to ~1e-6, tested), which saves a forward
-    pass over the whole batch.  A recomputing pass skips the first mini-batch: its first training pass runs
-    before any optimiser step, so its own logprobs are the old ones (`update_step`).
+    may stand in (the "hf" sampler in float32, where they match the training pass to ~1e-6, tested, and
+    under bf16 on a CPU), which saves a forward pass over the whole batch.  A recomputing pass skips the
+    first mini-batch: its first training pass runs before any optimiser step, so its own logprobs are the
+    old ones (`update_step`).
     """
-    reuse = algo.old_logprobs == "sampler" or (algo.old_logprobs == "auto" and sampler.logprobs_match_training)
+    reuse = algo.old_logprobs == "sampler" or (algo.old_logprobs == "auto" and sampler.logprobs_reusable)
     return not is_on_policy(algo) and not reuse
 
 

@@ -6,14 +6,13 @@ completions `tokens` long) is run both ways in alternating pairs, in one process
 - update: `completion_logprobs_and_entropy` forward + backward of the whole batch (float32 master weights;
   under autocast the matrix products run in bf16), seconds per pass;
 - sampling: `sample` of the same rows, seconds per call;
-- step: what a training step does with these rows, timed phase by phase in the same pair: sampling, under
-  bf16 the old-logprob pass (atrctl recomputes them there, for all mini-batches but the first: (M-1)/M of
-  a pass over the batch, M = --minibatches; in float32 it reuses the sampler's), the update pass and a
-  fused AdamW step on the float32 master weights, as atrctl's (lr 0, so the weights stay put).
+- step: what a training step does with these rows, timed phase by phase in the same pair: sampling, the
+  update pass and a fused AdamW step on the float32 master weights, as atrctl's (lr 0, so the weights stay
+  put).  No old-logprob pass: on a CPU atrctl reuses the sampler's logprobs in either precision.
 Ratios are float32 time / bf16 time within each pair (> 1: bf16 is faster): median [min, max] over pairs.
 Agreement, on the sampled batch: max and mean |Δ logprob| between the bf16 sampler (KV-cache decode) and the
-bf16 training pass (what an off-policy ratio would see if the sampler's logprobs were reused: atrctl
-recomputes them under bf16), and between the bf16 and the float32 training pass.
+bf16 training pass (what an off-policy ratio's denominator carries, since atrctl reuses the sampler's
+logprobs on a CPU), and between the bf16 and the float32 training pass.
 
     python benchmarks/cpu_bf16.py                              # tiny, small, medium, smollm2-135m
     python benchmarks/cpu_bf16.py --shapes medium --pairs 7
@@ -80,18 +79,6 @@ def seconds(work) -> float:
     return time.perf_counter() - started
 
 
-def old_logprob_pass(model, rollout, minibatches: int) -> float:
-    """The no-grad bf16 pass that recomputes the ratio's denominator (float32 reuses the sampler's): timed
-    over the whole batch, counted for the (M-1)/M of it that atrctl runs (the first mini-batch's own
-    training pass gives its old logprobs)."""
-
-    def recompute():
-        with torch.no_grad(), autocast(True):
-            completion_logprobs_and_entropy(model, rollout, 1.0)
-
-    return seconds(recompute) * (minibatches - 1) / minibatches
-
-
 def summary(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
 
@@ -116,9 +103,8 @@ def measure(name: str, args: argparse.Namespace) -> str:
         updated, drawn, total = {}, {}, {}
         for bf16 in order:
             drawn[bf16] = seconds(lambda bf16=bf16: draw(model, prompts, args.group, args.tokens, bf16))
-            recompute = old_logprob_pass(model, rollout, args.minibatches) if bf16 else 0.0
             updated[bf16] = update_pass(model, rollout, bf16)
-            total[bf16] = drawn[bf16] + recompute + updated[bf16] + seconds(optimizer.step)
+            total[bf16] = drawn[bf16] + updated[bf16] + seconds(optimizer.step)
         if pair >= args.warmup:
             update.append(updated[False] / updated[True])
             sampling.append(drawn[False] / drawn[True])
@@ -139,7 +125,6 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=24)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--minibatches", type=int, default=4, help="algo.minibatches: the step's share of the pass")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()

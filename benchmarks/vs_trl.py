@@ -8,7 +8,7 @@ token-mean clipped surrogate).  Each side runs in its own process, N steps after
 ones; pairs alternate which side goes first, and the ratio is taken within each pair.
 
 One "step" is one rollout batch and its optimiser steps (`minibatches × μ` of them), on both sides.
-The algorithm is the same; the work is not quite: in float32 atrctl takes the ratio's denominator
+The algorithm is the same; the work is not quite: on a CPU atrctl takes the ratio's denominator
 from the sampler's logprobs (`algo.old_logprobs = auto`) where TRL, with several optimiser steps
 per generation, runs an extra forward pass for it; atrctl runs a group's shared prompt once, drops
 ended rows from the decoding batch, and cuts its update's micro-batches by completion length where TRL
@@ -18,8 +18,8 @@ advantage 0 is off unless --skip-zero-advantage: the fresh models here earn (alm
 would skip the whole update, which says nothing about the engines.  TRL's phases come from its own
 timers: its "reward" leaves out decoding the completions, which atrctl's includes.  Both compute in the
 same dtype: `--autocast` is atrctl's model.autocast, and TRL gets bf16=True exactly where that resolves to
-bf16 (auto: a CUDA GPU, or a bf16-native CPU for models >= 256 wide); under bf16 atrctl recomputes the old
-logprobs too, for all mini-batches but the first (whose own first pass gives them).
+bf16 (auto: a CUDA GPU, or a bf16-native CPU for models >= 256 wide); under bf16 on CUDA atrctl recomputes
+the old logprobs too, for all mini-batches but the first (whose own first pass gives them).
 After the pairs, one more untimed eager process per side counts its matrix-product FLOPs per step
 (`torch.utils.flop_counter`), so the ratio splits into work avoided × speed per FLOP: the first is what
 the design buys, the second what the kernels and overheads give (`--no-flops` skips it).
@@ -29,7 +29,7 @@ TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
     python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7
     python benchmarks/vs_trl.py --preset medium --autocast off        # float32 on both, whatever the CPU
     python benchmarks/vs_trl.py --compile                # atrctl's model.compile (update, decoding), TRL eager
-    python benchmarks/vs_trl.py --preset medium --old-logprobs sampler   # under bf16: what the recompute costs
+    python benchmarks/vs_trl.py --preset medium --old-logprobs recompute   # under bf16: what the recompute costs
     python benchmarks/vs_trl.py --device cuda --preset qwen2.5-0.5b-shape --max-new-tokens 256   # bf16 on both
 """
 
@@ -332,7 +332,7 @@ def main() -> None:
         "--old-logprobs",
         default="auto",
         choices=["auto", "sampler", "recompute"],
-        help="atrctl's algo.old_logprobs (auto: the sampler's in float32, recomputed under bf16); TRL always "
+        help="atrctl's algo.old_logprobs (auto: the sampler's on a CPU, recomputed under bf16 on CUDA); TRL always "
         "recomputes them with several mini-batches",
     )
     parser.add_argument(

@@ -156,7 +156,7 @@ class RecordingSampler:
 
         self.inner = HFSampler(model, tokenizer, numerics)
 
-    logprobs_match_training = False
+    logprobs_reusable = False
 
     def generate(self, prompt_ids, **kwargs):
         RecordingSampler.calls.append(("generate", len(prompt_ids), kwargs["repeats"]))
