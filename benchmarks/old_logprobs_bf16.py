@@ -20,6 +20,11 @@ relative to the float32 update's size.  The bf16 run then steps on (recompute ar
 
     python benchmarks/old_logprobs_bf16.py                      # 6 rollouts of the SmolLM2 recipe
     python benchmarks/old_logprobs_bf16.py --rollouts 3 --set rollout.max_new_tokens=96
+    python benchmarks/old_logprobs_bf16.py --round-to-bf16   # weights on the bf16 grid first
+
+`--round-to-bf16` starts from the weights rounded to bf16, as a checkpoint stored in bf16 holds them: the
+GGUF import's dequantised Q4_1 values put about 8% of its weights exactly halfway between two bf16
+numbers, where the first update's tiny step flips their rounding all in the gradient's direction.
 """
 
 from __future__ import annotations
@@ -61,6 +66,13 @@ def record_gradients(run) -> list[torch.Tensor]:
     return kept
 
 
+def bf16_ties(model) -> float:
+    """Share of the float32 weights that lie exactly halfway between two bf16 numbers (low 16 bits 0x8000)."""
+    weights = [p.detach().flatten().float() for p in model.parameters()]
+    ties = sum(((w.view(torch.int32) & 0xFFFF) == 0x8000).sum().item() for w in weights)
+    return ties / sum(w.numel() for w in weights)
+
+
 def token_gaps(runs, rollout, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per completion token, at the sampling weights: bf16 sampler − bf16 pass, bf16 pass − float32 pass."""
     mask = rollout.completion_mask.bool()
@@ -96,6 +108,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="recipes/smollm2-arith-cpu.toml")
     parser.add_argument("--rollouts", type=int, default=6, help="rollouts compared (those with reward variance)")
     parser.add_argument("--set", action="append", default=[], help="recipe override, as atrctl's --set")
+    parser.add_argument("--round-to-bf16", action="store_true", help="start from the weights rounded to bf16")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="old-logprobs-"))
     runs = {}
@@ -103,13 +116,18 @@ def main() -> None:
         recipe = load_recipe(args.recipe, [*args.set, *overrides])
         runs[name] = build_run(recipe, scratch / name, scratch)
     lead, recipe = runs["recompute"], runs["recompute"].recipe
+    if args.round_to_bf16:  # the other arms copy the lead's weights before every update
+        with torch.no_grad():
+            for parameter in lead.model.parameters():
+                parameter.copy_(parameter.bfloat16())
     low, high = trust_region(recipe.algo.loss, **recipe.algo.args)
     temperature = recipe.rollout.temperature
     kept = {name: record_gradients(run) for name, run in runs.items()}
     print(
         f"{recipe.model.base}, {recipe.rollout.prompts}x{recipe.rollout.group_size} rows, "
         f"<= {recipe.rollout.max_new_tokens} new tokens, {recipe.algo.minibatches} mini-batches, "
-        f"{recipe.algo.loss} region [{low:.4f}, {high:.4f}], lr {recipe.optim.lr}"
+        f"{recipe.algo.loss} region [{low:.4f}, {high:.4f}], lr {recipe.optim.lr}; "
+        f"{bf16_ties(lead.model):.2%} of the weights on a bf16 rounding tie"
     )
     print(
         "| step | tokens | sampler − bf16 pass: mean / p99 / max | outside | bf16 − fp32 pass: mean / p99 / max "
