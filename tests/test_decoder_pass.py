@@ -274,6 +274,41 @@ def test_compiled_sampling_draws_the_eager_tokens_while_rows_leave_the_batch(mon
     assert sum(len(graph.graph.nodes) > 0 for graph in counter.graphs) == 1  # one graph (and an empty frame)
 
 
+@pytest.mark.slow
+def test_under_bf16_the_compiled_sampler_keeps_its_cache_in_bf16_and_draws_what_a_float32_cache_draws(monkeypatch):
+    """The decoding step's products cast the cache to bf16 anyway: stored in bf16, the same tokens and the
+    same logprobs bit for bit, rows leaving the batch included."""
+    from atrctl import sampling
+
+    model = small_model("qwen2").eval()
+    with torch.no_grad():
+        model.lm_head.weight[7] += 0.3  # token 7 (the EOS here) gets likelier: rows end at different steps
+    assert compile_policy(model)
+    caches, preallocated = [], sampling.preallocated_cache
+
+    def recorded_cache(*args, **kwargs):
+        caches.append(preallocated(*args, **kwargs))
+        return caches[-1]
+
+    monkeypatch.setattr(sampling, "preallocated_cache", recorded_cache)
+    prompts = [[5, 6, 8, 9], [10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
+
+    def rollout():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return sampling.sample(model, prompts, max_new_tokens=24, eos_id=7, pad_id=0, repeats=4,
+                                   generator=torch.Generator().manual_seed(0))  # fmt: skip
+
+    stored = rollout()
+    assert {layer.key_buffer.dtype for layer in caches[-1].layers} == {torch.bfloat16}
+    monkeypatch.setattr(sampling, "compiled_cache_dtype", lambda device: None)
+    wide = rollout()
+    assert {layer.key_buffer.dtype for layer in caches[-1].layers} == {torch.float32}
+    lengths = wide.completion_mask.sum(1)
+    assert lengths.min() < lengths.max()  # rows did end at different steps
+    assert torch.equal(stored.completion_ids, wide.completion_ids)
+    assert torch.equal(stored.logprobs, wide.logprobs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_compiled_passes_equal_the_eager_ones():
