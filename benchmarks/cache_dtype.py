@@ -19,7 +19,7 @@ import statistics
 from functools import partial
 
 import torch
-from cpu_bf16 import draw, seconds, shape_model  # benchmarks/ is on sys.path
+from cpu_bf16 import alternating, draw, shape_model, summary  # benchmarks/ is on sys.path
 from grad_mode import SIZES
 
 from atrctl import decoder_pass, sampling
@@ -44,19 +44,13 @@ def main() -> None:
         prompts, group, prompt_tokens = SIZES[shape]
         ids = torch.randint(4, 50, (prompts, prompt_tokens), generator=torch.Generator().manual_seed(1)).tolist()
         for tokens in args.tokens:
-            times: dict[str, list[float]] = {name: [] for name in store}
-            for pair in range(args.pairs + 1):  # pair 0 compiles and warms both up
-                for name in list(store) if pair % 2 else list(store)[::-1]:
-                    sampling.compiled_cache_dtype = store[name]
-                    took = seconds(partial(draw, model, ids, group, tokens, bf16=True))
-                    if pair:
-                        times[name].append(took)
+            setups = {name: partial(setattr, sampling, "compiled_cache_dtype", way) for name, way in store.items()}
+            times = alternating(setups, partial(draw, model, ids, group, tokens, bf16=True), args.pairs)
             sampling.compiled_cache_dtype = chosen
             ratios = [wide / narrow for wide, narrow in zip(times["float32"], times["bf16"], strict=True)]
             print(
                 f"| {shape} | {prompts * group} | {tokens} | {statistics.median(times['float32']):.3f} | "
-                f"{statistics.median(times['bf16']):.3f} | {statistics.median(ratios):.2f}× "
-                f"[{min(ratios):.2f}, {max(ratios):.2f}] |",
+                f"{statistics.median(times['bf16']):.3f} | {summary(ratios)} |",
                 flush=True,
             )
 

@@ -79,6 +79,19 @@ def seconds(work) -> float:
     return time.perf_counter() - started
 
 
+def alternating(setups: dict, work, pairs: int) -> dict[str, list[float]]:
+    """Seconds of `work` after each named setup, in `pairs` alternating pairs (which goes first swaps), after
+    an unmeasured pair that compiles and warms both up."""
+    times: dict[str, list[float]] = {name: [] for name in setups}
+    for pair in range(pairs + 1):
+        for name in list(setups) if pair % 2 else list(setups)[::-1]:
+            setups[name]()
+            took = seconds(work)
+            if pair:
+                times[name].append(took)
+    return times
+
+
 def summary(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
 

@@ -20,7 +20,7 @@ import statistics
 from functools import partial
 
 import torch
-from cpu_bf16 import draw, seconds, shape_model  # benchmarks/ is on sys.path
+from cpu_bf16 import alternating, draw, shape_model  # benchmarks/ is on sys.path
 from shapes import SIZES as BATCHES
 
 from atrctl import decoder_pass, sampling
@@ -50,13 +50,8 @@ def main() -> None:
         prompts, group, prompt_tokens = SIZES[shape]
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(4, 50, (prompts, prompt_tokens), generator=g).tolist()
-        times: dict[str, list[float]] = {"old": [], "new": []}
-        for pair in range(args.pairs + 1):  # pair 0 warms both up
-            for name in ("old", "new") if pair % 2 else ("new", "old"):
-                sampling._without_grad = ways[name]
-                took = seconds(partial(draw, model, ids, group, args.tokens, bf16=True))
-                if pair:
-                    times[name].append(took)
+        setups = {name: partial(setattr, sampling, "_without_grad", way) for name, way in ways.items()}
+        times = alternating(setups, partial(draw, model, ids, group, args.tokens, bf16=True), args.pairs)
         sampling._without_grad = kept
         ratios = [o / n for o, n in zip(times["old"], times["new"], strict=True)]
         print(
