@@ -361,9 +361,10 @@ def sample(
     compact = compact and can_drop_rows(cache)
     # model.compile: the prefill and decoding steps through decoder_pass, which fill the preallocated buffers
     compiled = decoder_pass.is_compiled(model) and all(isinstance(layer, Preallocated) for layer in cache.layers)
-    if compiled:
+    if compiled:  # before the prefill: the buffers take their dtype when it first writes
+        store_as = compiled_cache_dtype(device)
         for layer in cache.layers:
-            layer.store_as = compiled_cache_dtype(device)
+            layer.store_as = store_as
     with _without_grad(device, compiled), decode_attention(model):
         positions = position_ids(distinct_mask)
         if compiled:
