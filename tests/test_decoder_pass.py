@@ -189,6 +189,15 @@ def test_one_inductor_compilation_serves_every_micro_batch_shape_with_the_eager_
         compiled.append(counter.frame_count)
     assert compiled[0] >= 1 and compiled[1:] == compiled[:1] * 2  # nothing recompiled for the new shapes
     assert sum(len(graph.graph.nodes) > 0 for graph in counter.graphs) == 1  # one graph: no break inside
+    # past SUMMED_ATTENTION_MAX the attention's products are matrix products: one more compilation, same values
+    monkeypatch.setattr(decoder_pass, "SUMMED_ATTENTION_MAX", 0)
+    rollout = group_rollout(seed=3, groups=2, group=3, prompt=5, completion=6)
+    want = values_and_gradients(lambda: transformers_logprobs(model, rollout), model, rollout)
+    got = values_and_gradients(lambda: completion_logprobs_and_entropy(model, rollout), model, rollout)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for name, grad in want[2].items():
+        assert (got[2][name] - grad).abs().max() / grad.abs().max() < 1e-5, name
+    assert counter.frame_count == compiled[0] + 1
 
 
 # ------------------------------------------------------------------ the sampler's decoding step
