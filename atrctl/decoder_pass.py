@@ -319,13 +319,13 @@ SUMMED_ATTENTION_MAX = 512
 """Query-key pairs per row and head up to which compiled, written-out attention takes its two products as
 broadcast products summed over the shared dimension.  Inductor then generates them as reductions fused with
 the mask and softmax around them, where as matrix products they are hundreds of calls to a batched product
-of 7 x 64 by 64 x 16 matrices at 38 GFLOP/s (a 2048³ float32 product runs at ~190 here).  Same sums in float32 (tested against
-transformers to 1e-5, gradients included).  Measured (medium's update pass, one micro-batch, bf16, forward +
-backward, 10 alternating pairs; time summed / matrix products): 0.93x [0.78, 0.95] at 8 new tokens
-(7 x 16 pairs), 0.98x at 16 (15 x 24), 1.06x at 32 (31 x 40); tiny (float32) at 8: 0.93x, at 32: 1.02x
-and 1.04x in two runs.  Whole
-medium steps at 8 new tokens, in one process alternating the two (15 pairs): 1.06x [0.93, 1.10] faster, all
-of it in the update.  A guard like MATH_ATTENTION_MAX: crossing it compiles the pass once more."""
+of 7 x 64 by 64 x 16 matrices at 38 GFLOP/s (a 2048³ float32 product runs at ~190 here).  Same sums in
+float32 (tested against transformers to 1e-5, gradients included).  Measured (medium's update pass, one
+micro-batch, bf16, forward + backward, 10 alternating pairs; time summed / matrix products): 0.93x
+[0.78, 0.95] at 8 new tokens (7 x 16 pairs), 0.98x at 16 (15 x 24), 1.06x at 32 (31 x 40); tiny (float32)
+at 8: 0.93x, at 32: 1.02x and 1.04x in two runs.  Whole medium steps at 8 new tokens, in one process
+alternating the two (15 pairs): 1.06x [0.93, 1.10] faster, all of it in the update.  A guard like
+MATH_ATTENTION_MAX: crossing it compiles the pass once more."""
 
 
 def prefill(
