@@ -253,12 +253,19 @@ def _projections(attention, x: torch.Tensor, rope: Rotary):
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(-x₂, x₁) of x = (x₁, x₂) halves of its last dimension, as a product with a signed permutation matrix:
-    exact in any dtype (one nonzero term per sum), and its gradient is a product too.  Written as slices,
-    negation and concatenation, the compiled backward's kernel for it took 2 ms on a medium micro-batch
-    (index arithmetic, not vectorised), the largest element-wise kernel of the update."""
+    """(-x₂, x₁) of x = (x₁, x₂) halves of its last dimension.  Where a gradient flows, as a product with a
+    signed permutation matrix: exact in any dtype (one nonzero term per sum), and its gradient is a product
+    too.  Written as slices, negation and concatenation, the compiled backward's kernel for it took 2 ms on a
+    medium micro-batch (index arithmetic, not vectorised), the largest element-wise kernel of the update.
+
+    Without a gradient (the sampler's prefill and decoding steps, no-grad logprob passes) as those slices,
+    the same numbers (tested), which inductor fuses into the kernel around them: as products they were 4 of
+    a tiny decoding step's 19 matrix-product calls and ~10% of its time (py-spy).  Tiny rollouts at 64 new
+    tokens ran 1.065x [0.91, 1.39] faster (12 alternating pairs, same tokens and logprobs to the bit)."""
     dim = x.shape[-1]
     half = dim // 2
+    if not torch.is_grad_enabled():
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     eye = torch.eye(half, dtype=x.dtype, device=x.device)
     zero = torch.zeros_like(eye)
     rotation = torch.cat([torch.cat([zero, eye], dim=1), torch.cat([-eye, zero], dim=1)])  # [dim, dim]

@@ -414,3 +414,16 @@ def test_rotary_phases_come_from_a_table_equal_to_the_models_own_and_grown_on_de
     assert decoder_pass._rotary_table(decoder, 1)[0].shape[0] == 1024  # doubled past the largest position
     want_cos, want_sin = decoder.rotary_emb(embeddings[:1], positions.reshape(1, -1))
     assert torch.equal(cos, want_cos.view_as(cos)) and torch.equal(sin, want_sin.view_as(sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_half_gives_the_same_numbers_with_and_without_a_gradient(dtype):
+    """The sampler's no-grad steps rotate by slices, the update by a matrix product: the two must agree to the
+    bit, or the sampler's logprobs would drift from the update's."""
+    x = torch.randn(3, 5, 4, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        sliced = decoder_pass._rotate_half(x)
+    product = decoder_pass._rotate_half(x.clone().requires_grad_())
+    assert product.requires_grad  # the product path ran
+    assert torch.equal(sliced, product.detach())
+    assert torch.equal(sliced[..., :8], -x[..., 8:]) and torch.equal(sliced[..., 8:], x[..., :8])
