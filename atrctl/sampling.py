@@ -186,13 +186,18 @@ def preallocated_cache(model: PreTrainedModel, capacity: int):
                 self._filled()
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
-            """Keep rows `indices` (ascending): their filled positions move to the front of the same buffers,
-            through one gathered copy of them (about what a decode step reads)."""
+            """Keep rows `indices`: their filled positions are gathered into new buffers in one pass (about
+            what a decode step reads), and the old ones are freed, a layer at a time.  Moved to the front of
+            the same buffers instead, they went through a gathered copy and back: 2x the time (tiny's 448 of
+            512 rows at 40 of 74 positions: 507 against 242 µs a buffer); whole tiny rollouts at 64 new tokens,
+            which compact ~17 times, ran 1.08x [0.98, 1.71] and 1.13x [0.61, 1.44] faster (12 and 16
+            alternating pairs in one process, the same tokens and logprobs)."""
             if self.is_initialized:
                 for name in ("key_buffer", "value_buffer"):
                     buffer = getattr(self, name)
-                    buffer[: len(indices), :, : self.length] = buffer[indices, :, : self.length]
-                    setattr(self, name, buffer[: len(indices)])
+                    kept = buffer.new_empty((len(indices), *buffer.shape[1:]))
+                    torch.index_select(buffer[:, :, : self.length], 0, indices, out=kept[:, :, : self.length])
+                    setattr(self, name, kept)
                 self._filled()
 
         def _unsupported(self, *args, **kwargs):

@@ -392,8 +392,8 @@ def test_finished_rows_leave_the_batch_without_changing_the_samples(model, token
 
 
 def test_the_cache_drops_rows_as_a_cache_rebuilt_from_those_rows(model, tokenizer, prompts):
-    """PreallocatedLayer.batch_select_indices moves the kept rows' filled positions to the front: the next
-    step's logits equal those of a batch that only ever held the kept rows."""
+    """PreallocatedLayer.batch_select_indices gathers the kept rows' filled positions into new buffers: the
+    next step's logits equal those of a batch that only ever held the kept rows."""
     from atrctl.sampling import preallocated_cache
 
     ids, mask = (torch.tensor([[5, 6, 7, 8]] * 4) + torch.arange(4)[:, None]), torch.ones(4, 4, dtype=torch.long)
