@@ -4,8 +4,12 @@ Not a test. Both sides get the same model directory (one freshly initialised pre
 weights), the same prompts in the same order (atrctl's seeded order, fed to TRL unshuffled), the
 same group size, max_new_tokens, mini-batches per rollout (TRL's steps_per_generation), μ, AdamW
 settings and loss: atr's interval as TRL's epsilon / epsilon_high with loss_type="dapo" (the same
-token-mean clipped surrogate).  Each side runs in its own process, N steps after a few unmeasured
-ones; pairs alternate which side goes first, and the ratio is taken within each pair.
+token-mean clipped surrogate).  Each side runs in its own process and both stay alive: the parent tells
+them in turn to take one step (a few unmeasured ones each first), so a pair is one atrctl step and one TRL
+step on the same prompts, back to back, alternating which goes first, and the ratio is taken within each
+pair.  The side not stepping waits on its stdin and uses no CPU.  Pairs of steps rather than of processes
+because this VM changes speed every few minutes and between processes (up to 2x): two processes run a
+minute apart can land in different modes, two steps a second apart rarely do.
 
 One "step" is one rollout batch and its optimiser steps (`minibatches × μ` of them), on both sides.
 The algorithm is the same; the work is not quite: on a CPU atrctl takes the ratio's denominator
@@ -25,8 +29,8 @@ After the pairs, one more untimed eager process per side counts its matrix-produ
 the design buys, the second what the kernels and overheads give (`--no-flops` skips it).
 TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 
-    python benchmarks/vs_trl.py                         # tiny, default recipe batch, 5 pairs
-    python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7
+    python benchmarks/vs_trl.py                         # tiny, default recipe batch, 15 pairs of steps
+    python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 21
     python benchmarks/vs_trl.py --preset medium --autocast off        # float32 on both, whatever the CPU
     python benchmarks/vs_trl.py --compile                # atrctl's model.compile (update, decoding), TRL eager
     python benchmarks/vs_trl.py --preset medium --old-logprobs recompute   # under bf16: what the recompute costs
@@ -45,7 +49,9 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULT = "RESULT "  # a worker's last stdout line: this marker and a JSON object
+STEP = "STEP "  # a worker's stdout line after each step: this marker and a JSON object
+RESULT = "RESULT "  # a FLOP-counting worker's last stdout line, likewise
+GO = "go\n"  # what the parent writes to a worker's stdin for each step
 PHASES = ("rollout", "reward", "logprobs", "update")
 SIDES = ("atrctl", "trl")
 
@@ -64,7 +70,7 @@ def recipe_for(args: argparse.Namespace):
             f"rollout.max_new_tokens={args.max_new_tokens}",
             f"algo.minibatches={args.minibatches}",
             f"algo.num_iterations={args.num_iterations}",
-            f"run.steps={args.warmup + args.steps}",
+            f"run.steps={args.warmup + args.pairs}",
             f"algo.skip_zero_advantage={str(args.skip_zero_advantage).lower()}",
             f"model.autocast={args.autocast}",
             f"model.compile={str(args.compile).lower()}",
@@ -73,29 +79,44 @@ def recipe_for(args: argparse.Namespace):
     )
 
 
-def atrctl_worker(args: argparse.Namespace) -> dict:
+def await_go() -> float:
+    """Block until the parent says the next step may run (the other side's step runs meanwhile); its start time."""
+    if sys.stdin.readline() != GO:
+        sys.exit("the parent closed the pipe before all steps ran")
+    return time.perf_counter()
+
+
+def await_end() -> None:
+    """After the last step, hold still until the parent closes the pipe: exiting (or TRL's end of training)
+    would run beside the other side's last measured step."""
+    sys.stdin.read()
+
+
+def report_step(step: dict) -> None:
+    print(STEP + json.dumps(step), flush=True)
+
+
+def atrctl_worker(args: argparse.Namespace) -> None:
     from atrctl.checkpoint import TrainState
     from atrctl.train import build_run, train_step
 
     recipe = recipe_for(args)
     run = build_run(recipe, Path(args.scratch) / "atrctl-run", Path(args.scratch))
-    steps, started = [], time.perf_counter()
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            warmup = time.perf_counter() - started  # with --compile: the compilation, in the first step
+    for step in range(args.warmup + args.pairs):
+        started = await_go()
         record, _ = train_step(run, TrainState(step=step))
-        if step >= args.warmup:
-            steps.append(
-                {
-                    "seconds": record["time/step"],
-                    "tokens": record["len/mean"] * args.prompts * args.group_size,
-                    **{phase: record[f"time/{phase}"] for phase in PHASES},
-                }
-            )
-    return {"steps": steps, "bf16": run.numerics.autocast_enabled, "warmup": warmup}
+        report_step(
+            {
+                "seconds": time.perf_counter() - started,
+                "tokens": record["len/mean"] * args.prompts * args.group_size,
+                "bf16": run.numerics.autocast_enabled,
+                **{phase: record[f"time/{phase}"] for phase in PHASES},
+            }
+        )
+    await_end()
 
 
-def trl_worker(args: argparse.Namespace) -> dict:
+def trl_worker(args: argparse.Namespace) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -110,7 +131,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
     recipe = recipe_for(args)
     task = get_task(recipe.task.name, **recipe.task.args)
     pool = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
-    total = args.warmup + args.steps
+    total = args.warmup + args.pairs
     order = [i for step in range(total) for i in prompts_for_step(len(pool), step, args.prompts, recipe.run.seed)]
     dataset = Dataset.from_dict({"prompt": [pool[i].prompt for i in order], "index": order})
     tokens = []
@@ -119,16 +140,32 @@ def trl_worker(args: argparse.Namespace) -> dict:
         tokens.append(sum(len(ids) for ids in completion_ids))  # EOS included, as atrctl's completion mask
         return [task.score(pool[i], text).reward for i, text in zip(index, completions, strict=True)]
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.ends: list[float] = []
-
-        def on_step_end(self, *_, **__):
-            self.ends.append(time.perf_counter())
-
-    clock = Clock()
     per_rollout = args.minibatches * args.num_iterations  # TRL optimiser steps per generation batch
     phases = [dict.fromkeys(PHASES[:3], 0.0) for _ in range(total)]  # update = the rest of the step
+
+    class Gate(TrainerCallback):
+        """Holds the trainer before each rollout (its generation opens the first optimiser step of one) until
+        the parent says go, and reports the rollout's step after its last optimiser step."""
+
+        def __init__(self):
+            self.rollout, self.started = 0, 0.0
+
+        def on_train_begin(self, *_, **__):
+            self.started = await_go()
+
+        def on_step_end(self, _args, state, *__, **___):
+            if state.global_step % per_rollout:
+                return
+            seconds, k = time.perf_counter() - self.started, self.rollout
+            update = seconds - sum(phases[k].values())
+            report_step({"seconds": seconds, "tokens": tokens[k], "bf16": bf16, **phases[k], "update": update})
+            self.rollout += 1
+            if self.rollout < total:
+                self.started = await_go()
+            else:
+                await_end()
+
+    gate = Gate()
 
     def record(context, duration: float) -> None:
         """TRL times its own blocks (for wandb); file them under atrctl's phase names, per rollout."""
@@ -137,7 +174,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
         if name == "_get_per_token_logps_and_entropies" and not torch.is_grad_enabled():
             phase = "logprobs"  # the old-logprob pass; the training forward runs with grad
         if phase:
-            phases[min(len(clock.ends) // per_rollout, total - 1)][phase] += duration
+            phases[min(gate.rollout, total - 1)][phase] += duration
 
     profiling.ProfilingContext._log_metrics = record
 
@@ -187,15 +224,9 @@ def trl_worker(args: argparse.Namespace) -> dict:
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[clock],
+        callbacks=[gate],
     )
     trainer.train()
-    ends = clock.ends[per_rollout - 1 :: per_rollout]  # the last optimiser step of each rollout
-    seconds = [b - a for a, b in zip(ends, ends[1:], strict=False)]  # step k > 0: end(k) - end(k-1)
-    steps = [{"seconds": s, "tokens": tokens[k + 1], **phases[k + 1]} for k, s in enumerate(seconds)]
-    for step in steps:
-        step["update"] = step["seconds"] - sum(step[phase] for phase in PHASES[:3])
-    return {"steps": steps[max(0, args.warmup - 1) :], "bf16": bf16}
 
 
 def counted_flops(work, args: argparse.Namespace) -> float:
@@ -207,10 +238,10 @@ def counted_flops(work, args: argparse.Namespace) -> float:
 
     with FlopCounterMode(display=False) as counter:
         work(args)
-    return counter.get_total_flops() / (args.warmup + args.steps)
+    return counter.get_total_flops() / (args.warmup + args.pairs)
 
 
-def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict:
+def worker_command(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> tuple[list[str], dict]:
     command = [
         sys.executable,
         __file__,
@@ -223,7 +254,7 @@ def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Pa
         *[
             f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
             for k, v in vars(args).items()
-            if k not in {"worker", "model_dir", "scratch", "pairs", "threads", "preset", "no_flops"} and v is not False
+            if k not in {"worker", "model_dir", "scratch", "threads", "preset", "no_flops"} and v is not False
         ],
     ]
     env = {
@@ -232,79 +263,107 @@ def run_worker(side: str, args: argparse.Namespace, model_dir: Path, scratch: Pa
         "OMP_NUM_THREADS": str(args.threads),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    return command, env
+
+
+class Worker:
+    """One side's process, alive for the whole run, taking a step only when told to."""
+
+    def __init__(self, side: str, args: argparse.Namespace, model_dir: Path, scratch: Path):
+        command, env = worker_command(side, args, model_dir, scratch)
+        scratch.mkdir(parents=True)
+        self.side, self.errors = side, scratch / "stderr.txt"
+        with self.errors.open("w") as errors:  # a file, not a pipe: nobody reads it while the worker runs
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env
+            )
+
+    def step(self) -> dict:
+        """Let the worker take one step; its report (seconds from go to done, tokens, phases)."""
+        self.process.stdin.write(GO)
+        self.process.stdin.flush()
+        for line in self.process.stdout:  # other lines are the libraries' own prints
+            if line.startswith(STEP):
+                return json.loads(line[len(STEP) :])
+        self.fail()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        if self.process.wait(timeout=300):
+            self.fail()
+
+    def fail(self) -> None:
+        code = self.process.wait()
+        sys.exit(f"{self.side} worker failed ({code}):\n{self.errors.read_text()[-3000:]}")
+
+
+def count_flops(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> float:
+    """One short eager process per side, untimed, told to go through both its steps at once."""
+    counting = argparse.Namespace(**{**vars(args), "count_flops": True, "compile": False, "warmup": 0, "pairs": 2})
+    command, env = worker_command(side, counting, model_dir, scratch)
+    done = subprocess.run(command, input=GO * 2, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode or not lines:
-        sys.exit(f"{side} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len(RESULT) :])
+        sys.exit(f"{side} FLOP count failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT) :])["flops"]
 
 
-def rates(result: dict) -> tuple[float, float]:
-    """(steps/s from the median step time, tokens/s over all measured steps)."""
-    steps = result["steps"]
-    return (
-        1.0 / statistics.median(s["seconds"] for s in steps),
-        sum(s["tokens"] for s in steps) / sum(s["seconds"] for s in steps),
-    )
+def spread(values: list[float], digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
-
-
-def breakdown(results: list[dict]) -> list[tuple[str, float]]:
+def breakdown(steps: list[dict]) -> dict[str, float]:
     """Mean seconds per step in each phase over every measured step; 'other' is the rest of the step."""
-    steps = [s for result in results for s in result["steps"]]
     mean = {phase: statistics.fmean(s[phase] for s in steps) for phase in PHASES}
     total = statistics.fmean(s["seconds"] for s in steps)
-    return [*mean.items(), ("other", total - sum(mean.values())), ("step", total)]
+    return {**mean, "other": total - sum(mean.values()), "step": total}
 
 
-def report(args: argparse.Namespace, pairs: list[dict[str, dict]], flops: dict[str, float] | None) -> None:
-    ours = [rates(pair["atrctl"]) for pair in pairs]
-    theirs = [rates(pair["trl"]) for pair in pairs]
+def report(args: argparse.Namespace, pairs: list[dict[str, dict]], warmup: float, flops: dict | None) -> None:
+    per_s = {
+        (side, measure): [
+            (pair[side]["tokens"] if measure == "tokens" else 1.0) / pair[side]["seconds"] for pair in pairs
+        ]
+        for side in SIDES
+        for measure in ("steps", "tokens")
+    }
+    ratio = {
+        measure: [a / b for a, b in zip(per_s["atrctl", measure], per_s["trl", measure], strict=True)]
+        for measure in ("steps", "tokens")
+    }
     print(
         f"\n{args.preset}, {args.prompts} prompts x {args.group_size}, max_new_tokens {args.max_new_tokens}, "
         f"{args.minibatches} mini-batches, mu {args.num_iterations}, loss {args.algo}, {args.threads} threads, "
         f"{args.device}, bf16 autocast: atrctl {pairs[0]['atrctl']['bf16']}, TRL {pairs[0]['trl']['bf16']}, "
-        f"atrctl's old logprobs {args.old_logprobs}; "
-        f"{len(pairs)} pairs x {args.steps} steps (median [min, max] over pairs)"
+        f"atrctl's old logprobs {args.old_logprobs}; {len(pairs)} pairs of steps, each side's step back to back "
+        f"with the other's, after {args.warmup} unmeasured steps per side (median [min, max] over pairs)"
     )
     print(f"| {'':7} | {'steps/s':>20} | {'tokens/s':>26} |")
     print(f"|{'-' * 9}|{'-' * 22}|{'-' * 28}|")
-    print(f"| {'atrctl':7} | {spread([s for s, _ in ours]):>20} | {spread([t for _, t in ours]):>26} |")
-    print(f"| {'TRL':7} | {spread([s for s, _ in theirs]):>20} | {spread([t for _, t in theirs]):>26} |")
-    print(
-        f"| {'ratio':7} | {spread([a[0] / b[0] for a, b in zip(ours, theirs, strict=True)]):>20} | "
-        f"{spread([a[1] / b[1] for a, b in zip(ours, theirs, strict=True)]):>26} |"
-    )
+    for side, name in (("atrctl", "atrctl"), ("trl", "TRL")):
+        print(f"| {name:7} | {spread(per_s[side, 'steps']):>20} | {spread(per_s[side, 'tokens'], 0):>26} |")
+    print(f"| {'ratio':7} | {spread(ratio['steps']):>20} | {spread(ratio['tokens']):>26} |")
     if args.compile:
-        seconds = spread([pair["atrctl"]["warmup"] for pair in pairs])
-        print(f"\natrctl compiled its update and decoding (TRL eager); {args.warmup} unmeasured steps: {seconds} s")
+        print(f"\natrctl compiled its update and decoding (TRL eager); {args.warmup} unmeasured steps: {warmup:.1f} s")
     if flops:
         work = flops["trl"] / flops["atrctl"]
-        speed = [(flops["atrctl"] * a[0]) / (flops["trl"] * b[0]) for a, b in zip(ours, theirs, strict=True)]
-        achieved = {
-            side: spread([flops[side] * s / 1e9 for s, _ in per_pair])
-            for side, per_pair in (("atrctl", ours), ("trl", theirs))
-        }
+        speed = [r / work for r in ratio["steps"]]
+        achieved = {side: spread([flops[side] * s / 1e9 for s in per_s[side, "steps"]]) for side in SIDES}
         print(
             f"\nmatrix-product work per step (FlopCounterMode, eager, 2 steps): atrctl {flops['atrctl'] / 1e9:.2f}, "
-            f"TRL {flops['trl'] / 1e9:.2f} GFLOP, TRL/atrctl {work:.2f}x; achieved GFLOP/s at the median steps/s: "
+            f"TRL {flops['trl'] / 1e9:.2f} GFLOP, TRL/atrctl {work:.2f}x; achieved GFLOP/s per pair: "
             f"atrctl {achieved['atrctl']}, TRL {achieved['trl']}; "
             f"the ratio = work {work:.2f}x * speed per FLOP {spread(speed)}x"
         )
     print("\nstep breakdown, mean ms per step (share); TRL's from its own profiling blocks, its update = the rest")
-    ours, theirs = breakdown([pair["atrctl"] for pair in pairs]), dict(breakdown([pair["trl"] for pair in pairs]))
+    ours, theirs = (breakdown([pair[side] for pair in pairs]) for side in SIDES)
     print(f"  {'phase':9} {'atrctl':>16} {'TRL':>16}")
-    for phase, seconds in ours:
-        if phase == "other":
-            print(f"  {phase:9} {seconds * 1e3:8.1f} ({seconds / ours[-1][1]:5.1%}) {'(in update)':>16}")
-            continue
-        print(
-            f"  {phase:9} {seconds * 1e3:8.1f} ({seconds / ours[-1][1]:5.1%}) "
-            f"{theirs[phase] * 1e3:8.1f} ({theirs[phase] / theirs['step']:5.1%})"
+    for phase, seconds in ours.items():
+        mine = f"{seconds * 1e3:8.1f} ({seconds / ours['step']:5.1%})"
+        other = (
+            "(in update)" if phase == "other" else f"{theirs[phase] * 1e3:8.1f} ({theirs[phase] / theirs['step']:5.1%})"
         )
+        print(f"  {phase:9} {mine} {other:>16}")
 
 
 def main() -> None:
@@ -317,9 +376,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--minibatches", type=int, default=4)
     parser.add_argument("--num-iterations", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=8, help="measured steps per process")
-    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first")
+    parser.add_argument("--pairs", type=int, default=15, help="measured pairs of steps, one step per side each")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
@@ -360,10 +418,9 @@ def main() -> None:
     if args.worker:
         work = atrctl_worker if args.worker == "atrctl" else trl_worker
         if args.count_flops:
-            result = {"flops": counted_flops(work, args)}
+            print(RESULT + json.dumps({"flops": counted_flops(work, args)}), flush=True)
         else:
-            result = work(args)
-        print(RESULT + json.dumps(result), flush=True)
+            work(args)
         return
 
     import importlib.util
@@ -380,21 +437,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         model_dir = save_model(args.preset, scratch)
+        workers = {side: Worker(side, args, model_dir, scratch / side) for side in SIDES}
+        warmup = sum(workers["atrctl"].step()["seconds"] for _ in range(args.warmup))  # with --compile: compiling
+        for _ in range(args.warmup):
+            workers["trl"].step()
         pairs = []
         for pair in range(args.pairs):
-            order = ("atrctl", "trl") if pair % 2 == 0 else ("trl", "atrctl")
-            pairs.append({side: run_worker(side, args, model_dir, scratch / f"{pair}-{side}") for side in order})
-            a, t = rates(pairs[-1]["atrctl"]), rates(pairs[-1]["trl"])
-            print(
-                f"pair {pair + 1}: atrctl {a[0]:.2f} steps/s, TRL {t[0]:.2f} steps/s, ratio {a[0] / t[0]:.2f}",
-                flush=True,
-            )
+            order = SIDES if pair % 2 == 0 else SIDES[::-1]
+            pairs.append({side: workers[side].step() for side in order})
+            a, t = (1.0 / pairs[-1][side]["seconds"] for side in SIDES)
+            print(f"pair {pair + 1}: atrctl {a:.2f} steps/s, TRL {t:.2f} steps/s, ratio {a / t:.2f}", flush=True)
+        for worker in workers.values():
+            worker.close()
         flops = None
         if not args.no_flops:  # after the timed pairs, one short eager process per side
-            eager_short = {"count_flops": True, "compile": False, "warmup": 0, "steps": 2}
-            counting = argparse.Namespace(**{**vars(args), **eager_short})
-            flops = {side: run_worker(side, counting, model_dir, scratch / f"flops-{side}")["flops"] for side in SIDES}
-        report(args, pairs, flops)
+            flops = {side: count_flops(side, args, model_dir, scratch / f"flops-{side}") for side in SIDES}
+        report(args, pairs, warmup, flops)
 
 
 if __name__ == "__main__":
