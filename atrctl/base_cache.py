@@ -68,7 +68,7 @@ def read_base_info(path: str | Path) -> dict | None:
 def ensure_base(
     recipe: Recipe,
     results: str | Path = "results",
-    on_progress: Callable[[int, float, float | None], None] | None = None,
+    on_progress: Callable[[int, int, float, float | None], None] | None = None,
 ) -> tuple[Path | str, dict]:
     """(model location, info): the cached warm base of a preset, built first if missing; else the model as named.
 

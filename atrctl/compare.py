@@ -465,9 +465,8 @@ def _train_arms(comparison: Comparison, jobs: int, results: Path, show: Progress
 
     recipe, phase = comparison.recipe, time.perf_counter()
     base, _ = ensure_base(
-        recipe, results, lambda step, loss, acc: show("warmup", "warm-up base", step, recipe.warmup.max_steps,
-                                                      f"loss {loss:.3f}")
-    )  # fmt: skip
+        recipe, results, lambda step, total, loss, acc: show("warmup", "warm-up base", step, total, f"loss {loss:.3f}")
+    )
     base = str(Path(base).resolve()) if isinstance(base, Path) else base
     seconds["base (warm-up or cache)"] = time.perf_counter() - phase
 

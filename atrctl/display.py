@@ -249,8 +249,8 @@ def live_or_plain(*columns, **options):
 
 
 @contextmanager
-def warmup_bar(max_steps: int) -> Iterator[Callable[[int, float, float | None], None]]:
-    """A bar for `atrctl warmup`; yields on_progress(step, loss, held-out accuracy or None)."""
+def warmup_bar(max_steps: int) -> Iterator[Callable[[int, int, float, float | None], None]]:
+    """A bar for `atrctl warmup`; yields on_progress(step, total, loss, held-out accuracy or None)."""
     columns = (
         TextColumn("warm-up"),
         BarColumn(),
@@ -262,10 +262,11 @@ def warmup_bar(max_steps: int) -> Iterator[Callable[[int, float, float | None], 
         bar = progress.add_task("warm-up", total=max_steps, status="")
         shown = {"accuracy": "–"}
 
-        def on_progress(step: int, loss: float, accuracy: float | None) -> None:
+        def on_progress(step: int, total: int, loss: float, accuracy: float | None) -> None:
             if accuracy is not None:
                 shown["accuracy"] = f"{accuracy:.1%}"
-            progress.update(bar, completed=step, status=f"loss {loss:.3f}  held-out greedy {shown['accuracy']}")
+            status = f"loss {loss:.3f}  held-out greedy {shown['accuracy']}"
+            progress.update(bar, completed=step, total=total, status=status)
 
         yield on_progress
 
@@ -286,11 +287,11 @@ def training_bars(loss: str, steps: int, warmup_steps: int):
         bars: dict[str, int] = {}  # created when that phase starts: a cached base shows no warm-up bar
         evaluated: dict = {}
 
-        def on_warmup(step: int, loss_value: float, accuracy: float | None) -> None:
+        def on_warmup(step: int, total: int, loss_value: float, accuracy: float | None) -> None:
             if "warmup" not in bars:
                 bars["warmup"] = progress.add_task("warm-up", total=warmup_steps, status="")
             status = f"loss {loss_value:.3f}" + (f"  held-out greedy {accuracy:.1%}" if accuracy is not None else "")
-            progress.update(bars["warmup"], completed=step, status=status)
+            progress.update(bars["warmup"], completed=step, total=total, status=status)
 
         def on_step(record: dict) -> None:
             if "train" not in bars:
@@ -343,6 +344,6 @@ def phase_bars() -> Iterator[Callable[[str, str, int, int, str], None]]:
         def advance(key: str, description: str, done: int, total: int, note: str = "") -> None:
             if key not in bars:
                 bars[key] = progress.add_task(description, total=total, note="")
-            progress.update(bars[key], completed=done, note=note)
+            progress.update(bars[key], completed=done, total=total, note=note)  # a total may shrink: see warm_up
 
         yield advance

@@ -107,7 +107,7 @@ def train(
     resume: bool = False,
     overwrite: bool = False,
     on_step: Callable[[dict[str, float]], None] | None = None,
-    on_warmup: Callable[[int, float, float | None], None] | None = None,
+    on_warmup: Callable[[int, int, float, float | None], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
 ) -> dict | None:
     """Run (or resume) a training run in `directory`; returns the summary written to summary.json.
@@ -131,7 +131,7 @@ def _train(
     resume: bool,
     overwrite: bool,
     on_step: Callable[[dict[str, float]], None] | None,
-    on_warmup: Callable[[int, float, float | None], None] | None,
+    on_warmup: Callable[[int, int, float, float | None], None] | None,
     on_notice: Callable[[str], None] | None,
 ) -> dict | None:
     main = distributed.is_main()
@@ -787,7 +787,7 @@ def build_run(
     recipe: Recipe,
     directory: str | Path | RunDir,
     results: Path,
-    on_warmup: Callable[[int, float, float | None], None] | None = None,
+    on_warmup: Callable[[int, int, float, float | None], None] | None = None,
 ) -> Run:
     from atrctl.allocator import keep_freed_memory
     from atrctl.base_cache import ensure_base

@@ -88,13 +88,15 @@ def warm_up(
     tokenizer,
     task: Task,
     config: WarmupConfig,
-    on_progress: Callable[[int, float, float | None], None] | None = None,
+    on_progress: Callable[[int, int, float, float | None], None] | None = None,
     style: PromptStyle = PLAIN,
 ) -> WarmupResult:
     """Train until held-out greedy accuracy reaches config.target_accuracy or config.max_steps pass, on the
     prompts as RL will show them (`style`: the instruction; presets have no chat template).
 
-    on_progress(step, loss, accuracy or None) is called after every step, for a progress display.
+    on_progress(step, total, loss, accuracy or None) is called after every step, for a progress display:
+    total is max_steps, or the step itself at the step that reaches the target, so a bar stopped early
+    shows as complete (a log's heartbeat would otherwise keep writing it, its remaining time growing).
     """
     started = time.perf_counter()
     device = next(model.parameters()).device
@@ -125,9 +127,10 @@ def warm_up(
         if step % config.eval_every == 0 or step == config.max_steps:
             accuracy = measured = greedy_accuracy(sampler, tokenizer, task, held_out, budget, style)
             history.append((step, accuracy))
+        reached = measured is not None and measured >= config.target_accuracy
         if on_progress is not None:
-            on_progress(step, loss.item(), measured)
-        if measured is not None and measured >= config.target_accuracy:
+            on_progress(step, step if reached else config.max_steps, loss.item(), measured)
+        if reached:
             break
     model.eval()
     return WarmupResult(accuracy, step, time.perf_counter() - started, history)

@@ -50,3 +50,21 @@ def test_a_bad_interval_is_one_line(monkeypatch, value):
     monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", value)
     with pytest.raises(UserError, match="ATRCTL_PROGRESS_SECONDS must be a number of seconds >= 0"):
         display.progress_interval()
+
+
+def test_a_phase_whose_total_shrinks_to_what_is_done_ends_and_stops_beating(monkeypatch):
+    """compare's warm-up bar: the warm-up stopped at its target (400 of at most 3000 steps), so its total
+    becomes 400; the line says 400/400 and the heartbeat writes it no more while the next phase runs."""
+    out = io.StringIO()
+    monkeypatch.setattr(display, "console", Console(file=out))  # not a terminal: plain lines
+    monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", "0.02")
+    with display.phase_bars() as advance:
+        advance("warmup", "warm-up base", 399, 3000, "loss 0.700")
+        advance("warmup", "warm-up base", 400, 400, "loss 0.664")
+        ended = len(lines_of(out))
+        advance("train", "train 8 runs", 1, 2400)
+        time.sleep(0.2)  # ten heartbeats
+    warmup_lines = [line for line in lines_of(out) if line.startswith("warm-up base")]
+    assert warmup_lines[-1].startswith("warm-up base  400/400  loss 0.664")
+    assert lines_of(out)[ended - 1] == warmup_lines[-1]  # written when it ended, never again
+    assert sum(line.startswith("train 8 runs  1/2400") for line in lines_of(out)) >= 3  # the heartbeat ran

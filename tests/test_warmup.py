@@ -73,6 +73,17 @@ def test_warmup_is_deterministic(tmp_path):
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_a_warmup_that_reaches_its_target_early_reports_its_real_total(tmp_path, monkeypatch):
+    """The progress total shrinks to the step that reached the target, so the bar ends complete: a log's
+    heartbeat once kept writing "warm-up base 400/3000" with a growing remaining time through the training."""
+    recipe = load_recipe("recipes/default.toml", FAST)
+    monkeypatch.setattr("atrctl.warmup.greedy_accuracy", lambda *_, **__: 1.0)  # the target, at the first check
+    seen = []
+    _, info = base_cache.ensure_base(recipe, tmp_path, lambda *report: seen.append(report[:2]))
+    assert info["steps"] == 10
+    assert seen == [(step, 30) for step in range(1, 10)] + [(10, 10)]
+
+
 def test_real_models_pass_through_without_warmup(tmp_path):
     recipe = load_recipe(None, ["model.base=some/hub-model"])
     assert base_cache.ensure_base(recipe, tmp_path) == ("some/hub-model", {})
