@@ -49,6 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
+READY = "READY"  # a worker's stdout line once it is built and waits for its first step
 STEP = "STEP "  # a worker's stdout line after each step: this marker and a JSON object
 RESULT = "RESULT "  # a FLOP-counting worker's last stdout line, likewise
 GO = "go\n"  # what the parent writes to a worker's stdin for each step
@@ -79,6 +80,10 @@ def recipe_for(args: argparse.Namespace):
     )
 
 
+def announce_ready() -> None:
+    print("\n" + READY, flush=True)
+
+
 def await_go() -> float:
     """Block until the parent says the next step may run (the other side's step runs meanwhile); its start time."""
     if sys.stdin.readline() != GO:
@@ -93,7 +98,7 @@ def await_end() -> None:
 
 
 def report_step(step: dict) -> None:
-    print(STEP + json.dumps(step), flush=True)
+    print("\n" + STEP + json.dumps(step), flush=True)  # on a line of its own, whatever a library left unended
 
 
 def atrctl_worker(args: argparse.Namespace) -> None:
@@ -102,6 +107,7 @@ def atrctl_worker(args: argparse.Namespace) -> None:
 
     recipe = recipe_for(args)
     run = build_run(recipe, Path(args.scratch) / "atrctl-run", Path(args.scratch))
+    announce_ready()
     for step in range(args.warmup + args.pairs):
         started = await_go()
         record, _ = train_step(run, TrainState(step=step))
@@ -151,11 +157,14 @@ def trl_worker(args: argparse.Namespace) -> None:
             self.rollout, self.started = 0, 0.0
 
         def on_train_begin(self, *_, **__):
+            announce_ready()
             self.started = await_go()
 
         def on_step_end(self, _args, state, *__, **___):
             if state.global_step % per_rollout:
                 return
+            if cuda:  # the optimiser step's kernels may still be queued; atrctl's step timer synchronises too
+                torch.cuda.synchronize()
             seconds, k = time.perf_counter() - self.started, self.rollout
             update = seconds - sum(phases[k].values())
             report_step({"seconds": seconds, "tokens": tokens[k], "bf16": bf16, **phases[k], "update": update})
@@ -278,23 +287,39 @@ class Worker:
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env
             )
 
-    def step(self) -> dict:
-        """Let the worker take one step; its report (seconds from go to done, tokens, phases)."""
-        self.process.stdin.write(GO)
-        self.process.stdin.flush()
-        for line in self.process.stdout:  # other lines are the libraries' own prints
-            if line.startswith(STEP):
-                return json.loads(line[len(STEP) :])
+    def wait_for(self, marker: str) -> str:
+        """The worker's next stdout line starting with `marker` (other lines are the libraries' own prints)."""
+        for line in self.process.stdout:
+            if line.startswith(marker):
+                return line[len(marker) :]
         self.fail()
 
+    def step(self) -> dict:
+        """Let the worker take one step; its report (seconds from go to done, tokens, phases)."""
+        try:
+            self.process.stdin.write(GO)
+            self.process.stdin.flush()
+        except OSError:  # it has died
+            self.fail()
+        return json.loads(self.wait_for(STEP))
+
     def close(self) -> None:
-        self.process.stdin.close()
-        if self.process.wait(timeout=300):
+        try:
+            self.process.communicate(timeout=300)  # closes its stdin, drains what the libraries print while ending
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.fail()
+        if self.process.returncode:
             self.fail()
 
     def fail(self) -> None:
         code = self.process.wait()
         sys.exit(f"{self.side} worker failed ({code}):\n{self.errors.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 def count_flops(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> float:
@@ -438,17 +463,23 @@ def main() -> None:
         scratch = Path(scratch)
         model_dir = save_model(args.preset, scratch)
         workers = {side: Worker(side, args, model_dir, scratch / side) for side in SIDES}
-        warmup = sum(workers["atrctl"].step()["seconds"] for _ in range(args.warmup))  # with --compile: compiling
-        for _ in range(args.warmup):
-            workers["trl"].step()
-        pairs = []
-        for pair in range(args.pairs):
-            order = SIDES if pair % 2 == 0 else SIDES[::-1]
-            pairs.append({side: workers[side].step() for side in order})
-            a, t = (1.0 / pairs[-1][side]["seconds"] for side in SIDES)
-            print(f"pair {pair + 1}: atrctl {a:.2f} steps/s, TRL {t:.2f} steps/s, ratio {a / t:.2f}", flush=True)
-        for worker in workers.values():
-            worker.close()
+        try:
+            for worker in workers.values():  # both built (in parallel) before either takes a step
+                worker.wait_for(READY)
+            warmup = sum(workers["atrctl"].step()["seconds"] for _ in range(args.warmup))  # --compile: compiling
+            for _ in range(args.warmup):
+                workers["trl"].step()
+            pairs = []
+            for pair in range(args.pairs):
+                order = SIDES if pair % 2 == 0 else SIDES[::-1]
+                pairs.append({side: workers[side].step() for side in order})
+                a, t = (1.0 / pairs[-1][side]["seconds"] for side in SIDES)
+                print(f"pair {pair + 1}: atrctl {a:.2f} steps/s, TRL {t:.2f} steps/s, ratio {a / t:.2f}", flush=True)
+            for worker in workers.values():
+                worker.close()
+        finally:  # a failed side must not leave the other running on a deleted scratch directory
+            for worker in workers.values():
+                worker.kill()
         flops = None
         if not args.no_flops:  # after the timed pairs, one short eager process per side
             flops = {side: count_flops(side, args, model_dir, scratch / f"flops-{side}") for side in SIDES}
