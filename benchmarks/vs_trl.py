@@ -9,7 +9,9 @@ them in turn to take one step (a few unmeasured ones each first), so a pair is o
 step on the same prompts, back to back, alternating which goes first, and the ratio is taken within each
 pair.  The side not stepping waits on its stdin and uses no CPU.  Pairs of steps rather than of processes
 because this VM changes speed every few minutes and between processes (up to 2x): two processes run a
-minute apart can land in different modes, two steps a second apart rarely do.
+minute apart can land in different modes, two steps a second apart rarely do.  A process can also run in a
+slow or a fast mode for its whole life, which one pair of processes samples once: `--rounds R` starts fresh
+workers R times and pools the pairs.
 
 One "step" is one rollout batch and its optimiser steps (`minibatches × μ` of them), on both sides.
 The algorithm is the same; the work is not quite: on a CPU atrctl takes the ratio's denominator
@@ -30,7 +32,7 @@ the design buys, the second what the kernels and overheads give (`--no-flops` sk
 TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 
     python benchmarks/vs_trl.py                         # tiny, default recipe batch, 15 pairs of steps
-    python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 21
+    python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7 --rounds 3   # fresh processes 3 times, pooled
     python benchmarks/vs_trl.py --preset medium --autocast off        # float32 on both, whatever the CPU
     python benchmarks/vs_trl.py --compile                # atrctl's model.compile (update, decoding), TRL eager
     python benchmarks/vs_trl.py --preset medium --old-logprobs recompute   # under bf16: what the recompute costs
@@ -322,6 +324,30 @@ class Worker:
             self.process.wait()
 
 
+def run_round(args: argparse.Namespace, model_dir: Path, scratch: Path) -> tuple[list[dict], float]:
+    """Fresh workers for both sides, their unmeasured steps, then `args.pairs` pairs of steps; the pairs and
+    atrctl's unmeasured seconds (with --compile, its compilation)."""
+    workers = {side: Worker(side, args, model_dir, scratch / side) for side in SIDES}
+    try:
+        for worker in workers.values():  # both built (in parallel) before either takes a step
+            worker.wait_for(READY)
+        warmup = sum(workers["atrctl"].step()["seconds"] for _ in range(args.warmup))
+        for _ in range(args.warmup):
+            workers["trl"].step()
+        pairs = []
+        for pair in range(args.pairs):
+            order = SIDES if pair % 2 == 0 else SIDES[::-1]
+            pairs.append({side: workers[side].step() for side in order})
+            a, t = (1.0 / pairs[-1][side]["seconds"] for side in SIDES)
+            print(f"pair {pair + 1}: atrctl {a:.2f} steps/s, TRL {t:.2f} steps/s, ratio {a / t:.2f}", flush=True)
+        for worker in workers.values():
+            worker.close()
+    finally:  # a failed side must not leave the other running on a deleted scratch directory
+        for worker in workers.values():
+            worker.kill()
+    return pairs, warmup
+
+
 def count_flops(side: str, args: argparse.Namespace, model_dir: Path, scratch: Path) -> float:
     """One short eager process per side, untimed, told to go through both its steps at once."""
     counting = argparse.Namespace(**{**vars(args), "count_flops": True, "compile": False, "warmup": 0, "pairs": 2})
@@ -344,24 +370,35 @@ def breakdown(steps: list[dict]) -> dict[str, float]:
     return {**mean, "other": total - sum(mean.values()), "step": total}
 
 
-def report(args: argparse.Namespace, pairs: list[dict[str, dict]], warmup: float, flops: dict | None) -> None:
-    per_s = {
+def rates(pairs: list[dict[str, dict]]) -> dict[tuple[str, str], list[float]]:
+    """(side, "steps" or "tokens") -> that side's steps/s or tokens/s in each pair."""
+    return {
         (side, measure): [
             (pair[side]["tokens"] if measure == "tokens" else 1.0) / pair[side]["seconds"] for pair in pairs
         ]
         for side in SIDES
         for measure in ("steps", "tokens")
     }
-    ratio = {
+
+
+def ratios(pairs: list[dict[str, dict]]) -> dict[str, list[float]]:
+    """ "steps" or "tokens" -> atrctl's rate over TRL's, pair by pair."""
+    per_s = rates(pairs)
+    return {
         measure: [a / b for a, b in zip(per_s["atrctl", measure], per_s["trl", measure], strict=True)]
         for measure in ("steps", "tokens")
     }
+
+
+def report(args: argparse.Namespace, pairs: list[dict[str, dict]], warmups: list[float], flops: dict | None) -> None:
+    per_s, ratio = rates(pairs), ratios(pairs)
     print(
         f"\n{args.preset}, {args.prompts} prompts x {args.group_size}, max_new_tokens {args.max_new_tokens}, "
         f"{args.minibatches} mini-batches, mu {args.num_iterations}, loss {args.algo}, {args.threads} threads, "
         f"{args.device}, bf16 autocast: atrctl {pairs[0]['atrctl']['bf16']}, TRL {pairs[0]['trl']['bf16']}, "
-        f"atrctl's old logprobs {args.old_logprobs}; {len(pairs)} pairs of steps, each side's step back to back "
-        f"with the other's, after {args.warmup} unmeasured steps per side (median [min, max] over pairs)"
+        f"atrctl's old logprobs {args.old_logprobs}; {len(pairs)} pairs of steps ({args.rounds} rounds of fresh "
+        f"processes), each side's step back to back with the other's, after {args.warmup} unmeasured steps per side "
+        f"and round (median [min, max] over pairs)"
     )
     print(f"| {'':7} | {'steps/s':>20} | {'tokens/s':>26} |")
     print(f"|{'-' * 9}|{'-' * 22}|{'-' * 28}|")
@@ -369,7 +406,8 @@ def report(args: argparse.Namespace, pairs: list[dict[str, dict]], warmup: float
         print(f"| {name:7} | {spread(per_s[side, 'steps']):>20} | {spread(per_s[side, 'tokens'], 0):>26} |")
     print(f"| {'ratio':7} | {spread(ratio['steps']):>20} | {spread(ratio['tokens']):>26} |")
     if args.compile:
-        print(f"\natrctl compiled its update and decoding (TRL eager); {args.warmup} unmeasured steps: {warmup:.1f} s")
+        seconds = ", ".join(f"{warmup:.1f}" for warmup in warmups)
+        print(f"\natrctl compiled its update and decoding (TRL eager); {args.warmup} unmeasured steps: {seconds} s")
     if flops:
         work = flops["trl"] / flops["atrctl"]
         speed = [r / work for r in ratio["steps"]]
@@ -402,7 +440,14 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=4)
     parser.add_argument("--num-iterations", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first")
-    parser.add_argument("--pairs", type=int, default=15, help="measured pairs of steps, one step per side each")
+    parser.add_argument("--pairs", type=int, default=15, help="measured pairs of steps per round, one step per side")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="fresh processes for both sides this many times, --pairs each, all pairs pooled: a process can run "
+        "in a slow or a fast mode for its whole life (seen on these VMs), which one pair of processes cannot sample",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
@@ -462,28 +507,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         model_dir = save_model(args.preset, scratch)
-        workers = {side: Worker(side, args, model_dir, scratch / side) for side in SIDES}
-        try:
-            for worker in workers.values():  # both built (in parallel) before either takes a step
-                worker.wait_for(READY)
-            warmup = sum(workers["atrctl"].step()["seconds"] for _ in range(args.warmup))  # --compile: compiling
-            for _ in range(args.warmup):
-                workers["trl"].step()
-            pairs = []
-            for pair in range(args.pairs):
-                order = SIDES if pair % 2 == 0 else SIDES[::-1]
-                pairs.append({side: workers[side].step() for side in order})
-                a, t = (1.0 / pairs[-1][side]["seconds"] for side in SIDES)
-                print(f"pair {pair + 1}: atrctl {a:.2f} steps/s, TRL {t:.2f} steps/s, ratio {a / t:.2f}", flush=True)
-            for worker in workers.values():
-                worker.close()
-        finally:  # a failed side must not leave the other running on a deleted scratch directory
-            for worker in workers.values():
-                worker.kill()
+        pairs, warmups = [], []
+        for round_ in range(args.rounds):
+            round_pairs, warmup = run_round(args, model_dir, scratch / f"round-{round_}")
+            pairs += round_pairs
+            warmups.append(warmup)
+            if args.rounds > 1:
+                print(f"round {round_ + 1}: ratio {spread(ratios(round_pairs)['steps'])}", flush=True)
         flops = None
         if not args.no_flops:  # after the timed pairs, one short eager process per side
             flops = {side: count_flops(side, args, model_dir, scratch / f"flops-{side}") for side in SIDES}
-        report(args, pairs, warmup, flops)
+        report(args, pairs, warmups, flops)
 
 
 if __name__ == "__main__":
