@@ -10,8 +10,8 @@ step on the same prompts, back to back, alternating which goes first, and the ra
 pair.  The side not stepping waits on its stdin and uses no CPU.  Pairs of steps rather than of processes
 because this VM changes speed every few minutes and between processes (up to 2x): two processes run a
 minute apart can land in different modes, two steps a second apart rarely do.  A process can also run in a
-slow or a fast mode for its whole life, which one pair of processes samples once: `--rounds R` starts fresh
-workers R times and pools the pairs.
+slow or a fast mode for its whole life, which one pair of processes samples once: `--rounds R` (default 3)
+starts fresh workers R times and pools the pairs.
 
 One "step" is one rollout batch and its optimiser steps (`minibatches × μ` of them), on both sides.
 The algorithm is the same; the work is not quite: on a CPU atrctl takes the ratio's denominator
@@ -31,8 +31,8 @@ After the pairs, one more untimed eager process per side counts its matrix-produ
 the design buys, the second what the kernels and overheads give (`--no-flops` skips it).
 TRL is a benchmark-only dependency:  pip install torch==2.13.0 -e ".[bench]"
 
-    python benchmarks/vs_trl.py                         # tiny, default recipe batch, 15 pairs of steps
-    python benchmarks/vs_trl.py --max-new-tokens 64 --pairs 7 --rounds 3   # fresh processes 3 times, pooled
+    python benchmarks/vs_trl.py                         # tiny, default recipe batch, 3 rounds x 7 pairs of steps
+    python benchmarks/vs_trl.py --max-new-tokens 64
     python benchmarks/vs_trl.py --preset medium --autocast off        # float32 on both, whatever the CPU
     python benchmarks/vs_trl.py --compile                # atrctl's model.compile (update, decoding), TRL eager
     python benchmarks/vs_trl.py --preset medium --old-logprobs recompute   # under bf16: what the recompute costs
@@ -440,11 +440,11 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=4)
     parser.add_argument("--num-iterations", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first")
-    parser.add_argument("--pairs", type=int, default=15, help="measured pairs of steps per round, one step per side")
+    parser.add_argument("--pairs", type=int, default=7, help="measured pairs of steps per round, one step per side")
     parser.add_argument(
         "--rounds",
         type=int,
-        default=1,
+        default=3,
         help="fresh processes for both sides this many times, --pairs each, all pairs pooled: a process can run "
         "in a slow or a fast mode for its whole life (seen on these VMs), which one pair of processes cannot sample",
     )
