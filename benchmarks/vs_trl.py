@@ -485,6 +485,8 @@ def main() -> None:
     )
     parser.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if min(args.pairs, args.rounds) < 1 or args.warmup < 0:
+        parser.error("--pairs and --rounds must be at least 1 and --warmup at least 0")
     if args.worker:
         work = atrctl_worker if args.worker == "atrctl" else trl_worker
         if args.count_flops:
