@@ -22,6 +22,7 @@ from atrctl import atomic
 from atrctl.config import Recipe
 from atrctl.errors import UserError
 from atrctl.models import CHAR_ALPHABET, PRESETS
+from atrctl.records import NUMBER, DamagedFile, read_json
 
 BASE_FORMAT = 1  # bump when the warm-up procedure changes what a key produces
 
@@ -59,10 +60,26 @@ def base_key(recipe: Recipe) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def read_base_info(path: str | Path) -> dict | None:
-    """base.json of a cached base, or None for a directory that is not one."""
-    info = Path(path) / "base.json"
-    return json.loads(info.read_text()) if info.is_file() else None
+def read_base_info(path: str | Path, identity: dict | None = None) -> dict | None:
+    """base.json of the cached base at `path` (None where there is none), checked to be what a warm-up wrote
+    for `identity`.  A damaged one is one line saying how to build it again: the base is renamed into place
+    complete, so a directory without a sound base.json was changed after the fact."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return None
+    fix = f"delete {path} and rerun to warm the base up again"
+    info = read_json(path / "base.json", fix, {"identity": dict, "accuracy": NUMBER, "steps": int, "seconds": NUMBER})
+    if identity is not None and info["identity"] != json.loads(json.dumps(identity)):
+        raise DamagedFile(path / "base.json", "records another warm-up than its folder's name", fix)
+    return info
+
+
+def cached_base(recipe: Recipe, results: str | Path) -> dict | None:
+    """The recorded info of the recipe's cached base (None for none, or a real model): read before any work, so
+    a damaged one is refused before a comparison claims its folder."""
+    if recipe.model.base not in PRESETS:
+        return None
+    return read_base_info(Path(results) / "bases" / base_key(recipe), base_identity(recipe))
 
 
 def ensure_base(
@@ -78,7 +95,7 @@ def ensure_base(
     if recipe.model.base not in PRESETS:
         return recipe.model.base, {}
     target = Path(results) / "bases" / base_key(recipe)
-    info = read_base_info(target)
+    info = read_base_info(target, base_identity(recipe))
     if info is not None:
         return target, info
 

@@ -325,7 +325,7 @@ def train(
     validate_algo(config, nproc)
     main_rank = distributed.is_main()
     if main_rank:
-        run_dir.check_can_start(resume is not None, overwrite)
+        run_dir.check_can_start(resume is not None, overwrite, config.run.steps)
     if nproc is not None and nproc > 1:
         raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
     # under torchrun only rank 0 shows and reports; the others train silently

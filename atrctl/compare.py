@@ -31,7 +31,10 @@ from atrctl import atomic
 from atrctl.arms import Arm, arm_recipe, check_distinct, parse_arms
 from atrctl.config import Recipe, recipe_to_dict, to_toml
 from atrctl.errors import UserError
-from atrctl.rundir import RunDir, check_name, drop_aside, exclusive, move_aside, recover
+from atrctl.records import DamagedFile, read_json
+from atrctl.rundir import OWNER_VARIABLE, RunDir, check_name, drop_aside, exclusive, move_aside, recover
+
+log = logging.getLogger(__name__)  # notes on stderr: Python's last-resort handler prints the message alone
 
 # advance(key, description, done, total, note): one progress line per key, made on its first call
 Progress = Callable[[str, str, int, int, str], None]
@@ -96,12 +99,13 @@ def run_jobs(jobs: Sequence[Job], parallel: int, on_progress: Callable[[int], No
             while pending and len(running) < parallel:
                 job = pending.pop(0)
                 job.log.parent.mkdir(parents=True, exist_ok=True)
+                owner = {OWNER_VARIABLE: str(job.directory.parent.parent.resolve())}  # it may train its own runs
                 with job.log.open("w") as log:
                     job.process = subprocess.Popen(
                         job.command,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        env=env,
+                        env={**env, **owner},
                         preexec_fn=functools.partial(_end_with_parent, os.getpid()),
                     )
                 running.append(job)
@@ -165,31 +169,47 @@ class Comparison:
 
 def prepare(comparison: Comparison, overwrite: bool) -> None:
     """Create the comparison directory, or continue one with the same shared setting (recipe and shared loss
-    flags; arms and seeds may have been added or left out); anything else is refused.  With `overwrite` the
-    old one is replaced even when it is the same comparison (its runs are retrained)."""
-    marker = comparison.directory / f"{comparison.kind}.json"
-    record = comparison.record()
-    if marker.is_file() and not overwrite:
-        try:
-            recorded = json.loads(marker.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            recorded = None  # damaged: not this comparison, so it is refused below unless overwritten
-        if _same_record(recorded, json.loads(json.dumps(record))):
-            # the same shared setting: finished runs are kept, interrupted ones resume, and arms or seeds
-            # added since are trained (a run's recipe is its label's and its seed's, whatever the others)
-            if recorded != json.loads(json.dumps(record)):
-                atomic.write_text(marker, json.dumps(record, indent=2) + "\n")
-            return
-        raise UserError(
-            f"{comparison.directory} holds a {comparison.kind} with another shared recipe or --max-kl3/--eps/"
-            "--eps-high; pick another --name or pass --overwrite to replace it"
-        )
-    elif comparison.directory.exists() and any(comparison.directory.iterdir()) and not overwrite:
-        raise UserError(f"{comparison.directory} already exists; pick another --name or pass --overwrite")
+    flags; arms and seeds may have been added or left out); anything else is refused (`check_claim`).  With
+    `overwrite` the old one is replaced even when it is the same comparison (its runs are retrained)."""
+    marker, record = comparison.directory / f"{comparison.kind}.json", comparison.record()
+    if check_claim(comparison, overwrite):
+        if read_json(marker, "") != json.loads(json.dumps(record)):  # arms or seeds added: record them
+            atomic.write_text(marker, json.dumps(record, indent=2) + "\n")
+        return
     if overwrite:  # kept aside until the new comparison's runs are trained, restored if that fails
         move_aside(comparison.directory)
     comparison.directory.mkdir(parents=True, exist_ok=True)
     atomic.write_text(marker, json.dumps(record, indent=2) + "\n")
+
+
+def check_claim(comparison: Comparison, overwrite: bool) -> bool:
+    """Whether the comparison continues the one in its directory (True) or starts anew (False); refused when
+    it may do neither: another setting or a damaged marker without `overwrite`, and anything but a comparison
+    of its kind in the way (--overwrite replaces only that).  Reads only: `plan_comparison` asks before any
+    work, `prepare` again under the lock."""
+    directory = comparison.directory
+    marker = directory / f"{comparison.kind}.json"
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise UserError(f"{directory} is not a directory; pick another --name")
+    if not directory.exists() or not any(directory.iterdir()):
+        return False
+    if not (marker.exists() or marker.is_symlink()):
+        if overwrite:
+            raise UserError(f"{directory} is not a {comparison.kind} (it has no {marker.name}): --overwrite "
+                            f"replaces only a {comparison.kind}; pick another --name")  # fmt: skip
+        raise UserError(f"{directory} already exists; pick another --name or pass --overwrite")
+    if overwrite:
+        return False
+    shape = {"arms": list, "seeds": int, "loss_args": dict, "recipe": dict}
+    recorded = read_json(marker, f"restore it, or pass --overwrite to train the {comparison.kind} anew", shape)
+    if _same_record(recorded, json.loads(json.dumps(comparison.record()))):
+        # the same shared setting: finished runs are kept, interrupted ones resume, and arms or seeds
+        # added since are trained (a run's recipe is its label's and its seed's, whatever the others)
+        return True
+    raise UserError(
+        f"{directory} holds a {comparison.kind} with another shared recipe or --max-kl3/--eps/"
+        "--eps-high; pick another --name or pass --overwrite to replace it"
+    )
 
 
 def _same_record(recorded: dict, current: dict) -> bool:
@@ -214,16 +234,48 @@ def _trained(recipe: dict) -> dict:
     return {**recipe, "run": {k: v for k, v in recipe["run"].items() if k not in WATCHING}}
 
 
-def write_arm_recipes(comparison: Comparison, base: str) -> dict[str, Path]:
+def write_arm_recipes(comparison: Comparison) -> dict[str, Path]:
     paths = {}
     for arm in comparison.arms:
         if arm.loss is None:
             continue
         path = comparison.directory / "recipes" / f"{arm.slug}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_text(path, to_toml(recipe_to_dict(arm_recipe(comparison.recipe, arm, base, comparison.loss_args))))
+        atomic.write_text(path, to_toml(recipe_to_dict(trained_recipe(comparison, arm))))
         paths[arm.slug] = path
     return paths
+
+
+def trained_recipe(comparison: Comparison, arm: Arm, seed: int | None = None) -> Recipe:
+    """The recipe an arm's runs train (with `seed`'s run.seed where given): the shared one with the arm's loss,
+    parameters and regime keys, from the shared base."""
+    recipe = arm_recipe(comparison.recipe, arm, comparison.recipe.model.base, comparison.loss_args)
+    if seed is not None:
+        recipe.run.seed = seed
+    return recipe
+
+
+IGNORED = {("model", "base"), *(("run", key) for key in ("tensorboard", "report_to"))}
+"""Keys in which a kept run may differ from its arm: where it is reported, and how its base was named (an
+absolute path before bases were found by key)."""
+
+
+def check_kept_runs(comparison: Comparison) -> None:
+    """Every run already in <comparison>/runs/ that the comparison would keep or resume must be its arm's at its
+    seed (a run trained there by hand would otherwise be reported as the arm): one line naming what differs."""
+    for seed in range(comparison.seeds):
+        for arm in comparison.arms:
+            run = RunDir(comparison.directory / "runs" / f"{arm.slug}-s{seed}")
+            if arm.loss is None or not run.is_run or not (run.finished or run.checkpoint.is_dir()):
+                continue
+            want, have = recipe_to_dict(trained_recipe(comparison, arm, seed)), recipe_to_dict(run.recipe())
+            keys = [(section, key) for section in want for key in want[section] if (section, key) not in IGNORED]
+            differ = [f"{section}.{key}" for section, key in keys if have[section][key] != want[section][key]]
+            if differ:
+                raise UserError(
+                    f"{run.path} is not arm '{arm.label}' at seed {seed} ({', '.join(differ)} differ): move it "
+                    f"away, or pass --overwrite to train the {comparison.kind} anew"
+                )
 
 
 def arm_runs(comparison: Comparison) -> dict[str, list[Path]]:
@@ -232,6 +284,16 @@ def arm_runs(comparison: Comparison) -> dict[str, list[Path]]:
     return {
         arm.label: [arm.run_dir] if arm.run_dir else [runs / f"{arm.slug}-s{s}" for s in range(comparison.seeds)]
         for arm in comparison.arms
+    }
+
+
+def arm_evaluations(comparison: Comparison) -> dict[str, list[Path]]:
+    """Where each run's evaluation is kept, seed by seed: a run the comparison trained keeps it in its own eval/;
+    a run given as an arm is only read, so its evaluation goes to <comparison>/evals/<arm>/ (the run may belong
+    to another comparison, whose report must keep describing it, or lie outside --results)."""
+    return {
+        arm.label: [comparison.directory / "evals" / arm.slug] if arm.run_dir else [RunDir(d).eval for d in runs]
+        for arm, runs in zip(comparison.arms, arm_runs(comparison).values(), strict=True)
     }
 
 
@@ -264,19 +326,28 @@ def evaluate_arms(
     recipe = comparison.recipe
     task = get_task(recipe.task.name, **recipe.task.args)
     held_out = task.problems("test", problems, recipe.eval.seed)
-    results: dict[str, list] = {}
-    for label, directories in arm_runs(comparison).items():
-        results[label] = []
-        for directory in directories:
+    settings = dict(n=n, temperature=recipe.eval.temperature, seed=recipe.eval.seed, device=recipe.model.device,
+                    batch_size=recipe.eval.batch)  # fmt: skip
+    kept: dict[str, list] = {}
+    for label, directories in arm_runs(comparison).items():  # every kept evaluation read before any is sampled
+        kept[label] = []
+        for directory, where in zip(directories, arm_evaluations(comparison)[label], strict=True):
             spec = arm_target(directory, recipe)
-            settings = dict(n=n, temperature=recipe.eval.temperature, seed=recipe.eval.seed,
-                            device=recipe.model.device, batch_size=recipe.eval.batch)  # fmt: skip
             key = evaluation_key(spec, held_out, **settings)
-            result = load_result(RunDir(directory).eval, key)
+            try:
+                result = load_result(where, key)
+            except DamagedFile as damaged:
+                log.warning("note: %s", damaged)
+                result = None
+            kept[label].append((directory, where, spec, key, result))
+    results: dict[str, list] = {}
+    for label, entries in kept.items():
+        results[label] = []
+        for directory, where, spec, key, result in entries:
             if result is None:
                 progress = None if on_progress is None else (lambda d, t, name=directory.name: on_progress(name, d, t))
                 result = evaluate_target(spec, task, held_out, **settings, on_progress=progress)
-                save_result(RunDir(directory).eval, key, result)
+                save_result(where, key, result)
             results[label].append(result)
     return results
 
@@ -333,6 +404,9 @@ def plan_comparison(
 
     held_out = get_task(recipe.task.name, **recipe.task.args).problems("test", problems, recipe.eval.seed)  # enough?
     check_samples_fit(len(held_out), n)
+    from atrctl.base_cache import cached_base
+
+    cached_base(recipe, results)  # a damaged one is refused here, before the comparison's folder is claimed
     loss_args = trust_region_args(max_kl3, eps, eps_high)
     trained = {}
     for arm in arms:
@@ -352,7 +426,9 @@ def plan_comparison(
         label = check_name("-".join(a.slug for a in arms), flag="the name made of the arms' labels (pass --name)")
     else:
         label = check_name(name)
-    return Comparison(results / f"{kind}-{label}", arms, seeds, recipe, loss_args, overwrite, kind)
+    comparison = Comparison(results / f"{kind}-{label}", arms, seeds, recipe, loss_args, overwrite, kind)
+    check_claim(comparison, overwrite)  # again under the lock (`prepare`); here before any work
+    return comparison
 
 
 def _runs_started(comparison: Comparison) -> bool:
@@ -407,13 +483,16 @@ def run_comparison(
         )
         seconds["evaluation (wall)"] = time.perf_counter() - phase
         ks = default_ks(n)
+        evaluated_in = arm_evaluations(comparison)
         for label, directories in arm_runs(comparison).items():
-            for directory, result in zip(directories, evaluations[label], strict=True):
-                write_eval(result, ks, RunDir(directory).eval, f"{directory.name}: pass@k")
+            for directory, where, result in zip(directories, evaluated_in[label], evaluations[label], strict=True):
+                write_eval(result, ks, where, f"{directory.name}: pass@k")
+                if where != RunDir(directory).eval:
+                    continue  # a run given as an arm: its own trackers are its own, not written to
                 try:  # to the run's own trackers; a tracker that fails costs the comparison nothing
-                    report_evaluation(directory, RunDir(directory).eval / "passk.csv")
+                    report_evaluation(directory, where / "passk.csv")
                 except UserError as error:
-                    logging.getLogger(__name__).warning("warning: %s", error)
+                    log.warning("warning: %s", error)
         seconds["total"] = time.perf_counter() - started
         return (report or write_compare_report)(comparison, evaluations, ks, command, seconds), ks
 
@@ -464,15 +543,15 @@ def _train_arms(comparison: Comparison, jobs: int, results: Path, show: Progress
     from atrctl.base_cache import ensure_base
 
     recipe, phase = comparison.recipe, time.perf_counter()
-    base, _ = ensure_base(
+    check_kept_runs(comparison)  # before the warm-up: a foreign run is refused at once
+    ensure_base(
         recipe, results, lambda step, total, loss, acc: show("warmup", "warm-up base", step, total, f"loss {loss:.3f}")
-    )
-    base = str(Path(base).resolve()) if isinstance(base, Path) else base
+    )  # its runs find the base by its key in the results folder above them (`rundir.bases_folder`)
     seconds["base (warm-up or cache)"] = time.perf_counter() - phase
 
     phase = time.perf_counter()
     job_list = training_jobs(
-        comparison.arms, comparison.seeds, write_arm_recipes(comparison, base), comparison.directory / "runs"
+        comparison.arms, comparison.seeds, write_arm_recipes(comparison), comparison.directory / "runs"
     )
     total_steps, reused = len(job_list) * recipe.run.steps, sum(job.finished for job in job_list)
     run_jobs(job_list, jobs, lambda done: show("train", f"train {len(job_list)} runs", done, total_steps,

@@ -10,6 +10,7 @@ import pandas as pd
 from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and no global pyplot state
 
 from atrctl import atomic
+from atrctl.errors import UserError
 from atrctl.passk import EvalResult, avg_at_n
 
 COLUMNS = ("k", "pass@k", "ci_low", "ci_high", "maj@k")
@@ -81,25 +82,50 @@ def save_result(directory: Path, key: dict, result: EvalResult) -> None:
 
 
 def load_result(directory: Path, key: dict) -> EvalResult | None:
-    """The evaluation `save_result` kept under exactly this `key`, or None (none, another key, or damaged)."""
+    """The evaluation `save_result` kept under exactly this `key`; None where none is kept, or one of another
+    key (or arrays a crash left from another key: their digest differs).  A kept file that is damaged is
+    `DamagedFile` (the caller evaluates again and says so); a directory where a file belongs is refused, as
+    the new result could not be written there either."""
     import json
     import zipfile
 
-    try:
-        record = json.loads((directory / RESULT_RECORD).read_text())
-        if record.get("key") != json.loads(json.dumps(key)):
-            return None
-        with np.load(directory / RESULT_ARRAYS, allow_pickle=False) as arrays:
-            if str(arrays["digest"]) != record["digest"]:
-                return None
-            data = {name: arrays[name] for name in arrays.files}
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, UnicodeDecodeError):
+    from atrctl.records import NUMBER, DamagedFile, read_json
+
+    paths = (directory / RESULT_RECORD, directory / RESULT_ARRAYS)
+    for path in paths:
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise UserError(f"{path} is not a file, so atrctl's evaluation cannot be kept there: remove it and rerun")
+    if not any(path.exists() for path in paths):
         return None
+    fix = "evaluating again"
+    shape = {"key": dict, "digest": str, "problem_ids": list, "n": int, "temperature": NUMBER, "seed": int,
+             "seconds": NUMBER, "parsed": list, "completions": list}  # fmt: skip
+    record = read_json(paths[0], fix, shape)
+    if record["key"] != json.loads(json.dumps(key)):
+        return None
+    try:
+        with np.load(paths[1], allow_pickle=False) as arrays:
+            data = {name: arrays[name] for name in arrays.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
+        raise DamagedFile(paths[1], type(error).__name__, fix) from None
+    if "digest" not in data or str(data["digest"]) != record["digest"]:
+        return None
+    problems, n = len(record["problem_ids"]), record["n"]
+    expected = {"rewards": (problems, n), "greedy": (problems,), "nats": (problems, n), "lengths": (problems, n)}
+    for name, shape_of in expected.items():
+        if (name in data or name in ("rewards", "greedy")) and getattr(data.get(name), "shape", None) != shape_of:
+            raise DamagedFile(paths[1], f"'{name}' is not {problems} problems x {n} samples", fix)
+    forms = record.get("forms")
+    if not _rows_of(record["parsed"], problems, n) or (forms is not None and not _rows_of(forms, problems, n)):
+        raise DamagedFile(paths[0], f"the parsed answers are not {problems} problems x {n} samples", fix)
     return EvalResult(
-        record["problem_ids"], record["n"], data["rewards"], record["parsed"], data["greedy"], record["temperature"],
-        record["seed"], record["seconds"], record["completions"], data.get("nats"), data.get("lengths"),
-        record["forms"],
+        record["problem_ids"], n, data["rewards"], record["parsed"], data["greedy"], record["temperature"],
+        record["seed"], record["seconds"], record["completions"], data.get("nats"), data.get("lengths"), forms,
     )  # fmt: skip
+
+
+def _rows_of(rows: object, problems: int, n: int) -> bool:
+    return isinstance(rows, list) and len(rows) == problems and all(isinstance(r, list) and len(r) == n for r in rows)
 
 
 def plot_passk_curves(curves: Sequence[Curve], title: str) -> Figure:

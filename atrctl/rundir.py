@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from atrctl import __version__, atomic
 from atrctl.errors import UserError
+from atrctl.records import read_json
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -77,25 +78,41 @@ class RunDir:
     def evaluated(self) -> bool:
         return has_evaluation(self.eval)
 
-    def check_can_start(self, resume: bool, overwrite: bool) -> None:
-        """Refuse to clobber a run: an existing directory needs resume (continue) or overwrite (replace).
-        An --overwrite that a crash interrupted is finished first (under the lock), so the answer is about
-        the run as it should be."""
-        from atrctl.checkpoint import find_checkpoint
+    def check_can_start(self, resume: bool, overwrite: bool, steps: int | None = None) -> None:
+        """Refuse to clobber a run: an existing directory needs resume (continue) or overwrite (replace), and
+        only a run is replaced; a finished run resumes only if `steps` (default: its config.toml's) are more
+        than it trained.  An --overwrite that a crash interrupted is finished first (under the lock), so the
+        answer is about the run as it should be."""
+        from atrctl.checkpoint import find_checkpoint, read_state
 
         if aside(self.path).exists() or _sibling(self.path, "dropping").exists():
             with exclusive(self.path):
                 self.recover()
+        owner = comparison_of(self.path)
+        if owner is not None and not resume and os.environ.get(OWNER_VARIABLE) != str(owner.resolve()):
+            raise UserError(
+                f"{self.path} is a run of {owner}: rerun that comparison's command to train it (started or "
+                "replaced by hand, the comparison's report would describe another run); --resume continues it"
+            )
         if resume:
-            if find_checkpoint(self.checkpoint) is None:
+            checkpoint = find_checkpoint(self.checkpoint)
+            if checkpoint is None:
                 raise UserError(
                     f"{self.path} has no checkpoint to resume; start it anew with the same --name and --overwrite"
                 )
-        elif self.path.exists() and any(self.path.iterdir()) and not overwrite:
-            raise UserError(
-                f"run directory {self.path} already exists; pick another --name, "
-                f"or pass --resume to continue it or --overwrite to replace it"
-            )
+            steps = self.recipe().run.steps if steps is None else steps
+            if self.finished and read_state(checkpoint).step >= steps:
+                raise UserError(f"{self.path} is finished: nothing to resume (raise run.steps in its config.toml "
+                                "to train it longer)")  # fmt: skip
+        elif self.path.exists() and any(self.path.iterdir()):
+            if not overwrite:
+                raise UserError(
+                    f"run directory {self.path} already exists; pick another --name, "
+                    f"or pass --resume to continue it or --overwrite to replace it"
+                )
+            if not self.is_run:
+                raise UserError(f"{self.path} is not a run (it has no config.toml): --overwrite replaces only runs; "
+                                "pick another --name")  # fmt: skip
 
     # ------------------------------------------------------------ config.toml
 
@@ -178,15 +195,9 @@ class RunDir:
     # ------------------------------------------------------------ summary.json and model/
 
     def read_summary(self) -> dict:
-        if not self.summary.is_file():
+        if not self.summary.exists():
             return {}
-        try:
-            summary = json.loads(self.summary.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise UserError(f"{self.summary} is not valid JSON ({error}): restore it, or start the run anew") from None
-        if not isinstance(summary, dict):
-            raise UserError(f"{self.summary} holds no JSON object: restore it, or start the run anew")
-        return summary
+        return read_json(self.summary, "restore it, or start the run anew")
 
     def write_summary(self, summary: dict) -> None:
         atomic.write_text(self.summary, json.dumps(summary, indent=2) + "\n")
@@ -209,6 +220,28 @@ class RunDir:
         self.write_summary(summary)
         shutil.rmtree(self.model, ignore_errors=True)
         staging.rename(self.model)
+
+
+OWNER_VARIABLE = "ATRCTL_COMPARISON"
+"""Set by compare and sweep for the training processes they start: the comparison that owns those runs."""
+COMPARISON_MARKERS = ("compare.json", "sweep.json")
+
+
+def comparison_of(path: str | Path) -> Path | None:
+    """The comparison (or sweep) whose runs/ folder holds the run at `path`, None for a run of its own.  Only
+    the comparison trains its runs: its report describes them by the recipes it recorded."""
+    path = Path(path).absolute()
+    owner = path.parent.parent
+    if path.parent.name == "runs" and any((owner / marker).exists() for marker in COMPARISON_MARKERS):
+        return owner
+    return None
+
+
+def bases_folder(path: str | Path, results: Path) -> Path:
+    """The results folder whose bases/ holds the warm base of the run at `path`: a comparison's, for its runs
+    (found from where the run is, so a moved results folder still resumes them), else `results`."""
+    owner = comparison_of(path)
+    return owner.parent if owner is not None else Path(results)
 
 
 def has_evaluation(directory: Path) -> bool:

@@ -66,7 +66,7 @@ from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, pr
 from atrctl.reporting import Reporters, check_installed, held_out_table, reporter_names
 from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
-from atrctl.rundir import RunDir, environment, exclusive
+from atrctl.rundir import RunDir, bases_folder, environment, exclusive
 from atrctl.scoring import mean_reward, sampled_scores
 from atrctl.sharding import (
     GatheredSampler,
@@ -136,16 +136,18 @@ def _train(
 ) -> dict | None:
     main = distributed.is_main()
     # rank 0 decides and every rank abides, so none is left waiting in a collective for a refused one
-    distributed.decided_by_main(lambda: run_dir.check_can_start(resume, overwrite))  # before the lock file exists
+    distributed.decided_by_main(
+        lambda: run_dir.check_can_start(resume, overwrite, recipe.run.steps)
+    )  # before the lock file exists
     if main:  # a tracker's missing library is one line, before anything is written
         check_installed(reporter_names(recipe.run), run_dir.path if resume else None)
-    run = build_run(recipe, run_dir, results, on_warmup)  # every input checked: the lock file comes after
+    run = build_run(recipe, run_dir, bases_folder(run_dir.path, results), on_warmup)  # then the lock file
     with ExitStack() as held:
 
         def claim() -> None:  # one writer per run directory; then the check again, now that nobody can change it
             held.enter_context(exclusive(run_dir.path))
             run_dir.recover()
-            run_dir.check_can_start(resume, overwrite)
+            run_dir.check_can_start(resume, overwrite, recipe.run.steps)
 
         distributed.decided_by_main(claim)
         weights = "lora" if run.adapters is not None else "full"

@@ -192,6 +192,7 @@ def test_evaluation_entropy_is_the_samples_surprisal(tiny):
 
 def test_a_kept_result_reads_back_only_under_its_own_key(tmp_path):
     from atrctl.eval_report import RESULT_ARRAYS, load_result, save_result
+    from atrctl.records import DamagedFile
 
     forms = [["1+2", None], [None, None]]
     result = EvalResult(["a", "b"], 2, np.array([[1, 0], [0, 0]], dtype=np.float32), [["3", None], [None, "4"]],
@@ -208,5 +209,7 @@ def test_a_kept_result_reads_back_only_under_its_own_key(tmp_path):
     save_result(tmp_path / "other", {"model": "other"}, result)
     (tmp_path / RESULT_ARRAYS).write_bytes((tmp_path / "other" / RESULT_ARRAYS).read_bytes())
     assert load_result(tmp_path, key) is None  # arrays from another key: refused by their digest
+    assert load_result(tmp_path / "nowhere", key) is None
     (tmp_path / RESULT_ARRAYS).write_bytes(b"not a zip")
-    assert load_result(tmp_path, key) is None and load_result(tmp_path / "nowhere", key) is None
+    with pytest.raises(DamagedFile, match=f"{RESULT_ARRAYS} is damaged"):  # the caller evaluates again, saying so
+        load_result(tmp_path, key)

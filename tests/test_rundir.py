@@ -98,6 +98,9 @@ def test_starting_a_run_never_clobbers_one(tmp_path):
     (run.path / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match="already exists"):
         run.check_can_start(resume=False, overwrite=False)
+    with pytest.raises(UserError, match="is not a run .* replaces only runs"):  # no config.toml: not a run
+        run.check_can_start(resume=False, overwrite=True)
+    run.config.write_text("")
     run.check_can_start(resume=False, overwrite=True)
     with pytest.raises(UserError, match="no checkpoint to resume"):
         run.check_can_start(resume=True, overwrite=False)
@@ -113,7 +116,7 @@ def test_a_corrupt_config_or_summary_is_one_clear_error(tmp_path):
     run.config.write_text("[task\nname = ")
     with pytest.raises(UserError, match="config.toml is not valid TOML"):
         run.recipe()
-    for text, message in (('{"base": ', "not valid JSON"), ("[1, 2]", "no JSON object")):
+    for text, message in (('{"base": ', "damaged .not JSON"), ("[1, 2]", "damaged .holds list, not an object")):
         run.summary.write_text(text)
         with pytest.raises(UserError, match=message):
             run.read_summary()

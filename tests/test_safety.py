@@ -331,6 +331,10 @@ def load_recipe_of(run):
 def test_resume_of_the_current_directory(results, monkeypatch, capsys):
     run = results / "here"
     train(recipe("run.steps=1", "run.checkpoint_every=1"), run, results=results)
+    (run / "model").rename(run / "was-final")  # a crash before the model was renamed into place: resumable
     monkeypatch.chdir(run)
     capsys.readouterr()
-    assert main(["train", "--resume", "."]) == 0  # finished: it saves its model again and reports
+    assert main(["train", "--resume", "."]) == 0 and (run / "model").is_dir()  # it finishes the run
+    before = tree(run)
+    refused(capsys, ["train", "--resume", "."], "is finished: nothing to resume")  # and is then left alone
+    assert tree(run) == before

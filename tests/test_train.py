@@ -494,8 +494,9 @@ def test_existing_run_is_refused_unless_resumed_or_overwritten(results, capsys):
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()} == snapshot
 
     assert main(["train", "--resume", str(directory), "--name", "taken"]) == 2  # resume takes no recipe options
-    assert main(["train", "--resume", str(directory), "--results", str(results)]) == 0  # already finished
-    assert [r["step"] for r in records(directory)] == [1, 2]
+    assert main(["train", "--resume", str(directory), "--results", str(results)]) == 2  # finished: nothing to do
+    assert "is finished: nothing to resume" in capsys.readouterr().err
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()} == snapshot
 
     assert cli(results, "--name", "taken", "--steps", "3", "--overwrite") == 0
     assert [r["step"] for r in records(directory)] == [1, 2, 3]
