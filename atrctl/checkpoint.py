@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from atrctl import atomic
 from atrctl.errors import UserError, first_line
+from atrctl.records import DamagedFile, read_json
 
 
 @dataclass
@@ -204,20 +205,19 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
 def read_state(directory: Path) -> TrainState:
     """The TrainState saved in directory/state.json; a file that is not one is a UserError naming it."""
     path = Path(directory) / "state.json"
+    fix = "the run cannot resume from it"
+    data = read_json(path, fix, {"step": int})
     try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or "step" not in data:
-            raise TypeError("no step recorded")
         state = TrainState(**data)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as error:
-        raise UserError(f"{path} is not a training state ({error}); the run cannot resume from it") from None
+    except TypeError as error:
+        raise DamagedFile(path, first_line(error), fix) from None
     counters = (state.step, state.bad_steps, state.skipped_steps)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counters):
-        raise UserError(f"{path} is not a training state (step and counters must be integers >= 0)")
+        raise DamagedFile(path, "step and counters must be integers >= 0", fix)
     if not isinstance(state.weights, str) or state.weights not in WEIGHTS_KINDS:
-        raise UserError(f"{path} is not a training state (weights must be one of {', '.join(WEIGHTS_KINDS)})")
+        raise DamagedFile(path, f"weights must be one of {', '.join(WEIGHTS_KINDS)}", fix)
     if not isinstance(state.unverified_update, bool):
-        raise UserError(f"{path} is not a training state (unverified_update must be true or false)")
+        raise DamagedFile(path, "unverified_update must be true or false", fix)
     return state
 
 

@@ -157,10 +157,10 @@ def damage(run, how, checkpoint_name="checkpoint"):
         ("random weights", "model.safetensors is missing or damaged"),
         ("no optimiser", "optimizer.pt is missing or damaged"),
         ("garbage optimiser", "optimizer.pt is missing or damaged"),
-        ("state {}", "state.json is not a training state"),
-        ("state {garbage", "state.json is not a training state"),
-        ('state {"step": "3"}', "state.json is not a training state"),
-        ('state {"step": 2, "extra": 1}', "state.json is not a training state"),
+        ("state {}", "state.json is damaged"),
+        ("state {garbage", "state.json is damaged"),
+        ('state {"step": "3"}', "state.json is damaged"),
+        ('state {"step": 2, "extra": 1}', "state.json is damaged"),
         ("config edited", "no longer matches the recipe its checkpoint was trained with (algo.loss: 'atr' → 'grpo')"),
         ("config garbage", "config.toml is not valid TOML"),
     ],
@@ -179,7 +179,7 @@ def test_a_damaged_run_is_one_line_on_resume_and_stays_as_it_was(results, capsys
     [
         ("truncated weights", "model.safetensors is missing or damaged"),
         ("garbage optimiser", "optimizer.pt is missing or damaged"),
-        ("state {garbage", "state.json is not a training state"),
+        ("state {garbage", "state.json is damaged"),
     ],
 )
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one_saying_so(results, capsys, how, fragment):
