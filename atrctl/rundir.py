@@ -88,6 +88,8 @@ class RunDir:
         if aside(self.path).exists() or _sibling(self.path, "dropping").exists():
             with exclusive(self.path):
                 self.recover()
+        if self.path.is_symlink() or (self.path.exists() and not self.path.is_dir()):
+            raise UserError(f"{self.path} is not a directory, so no run can live there; pick another --name")
         owner = comparison_of(self.path)
         if owner is not None and not resume and os.environ.get(OWNER_VARIABLE) != str(owner.resolve()):
             raise UserError(

@@ -75,6 +75,22 @@ def test_compare_and_sweep_overwrite_replace_only_their_own_kind(workspace, caps
     assert tree(workspace) == before
 
 
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_name_that_is_a_file_or_a_link_is_refused(workspace, capsys, command):
+    results = workspace / "results"
+    (results / "taken").write_text("a file of the user's\n")
+    (results / "compare-taken").write_text("a file of the user's\n")
+    (results / "linked").symlink_to(results / "notes")
+    (results / "compare-linked").symlink_to(results / "notes")
+    before = tree(workspace)
+    arms = ["grpo", "atr"] if command == "compare" else []
+    for name in ("taken", "linked"):
+        for overwrite in ([], ["--overwrite"]):
+            argv = [command, *arms, "--name", name, *overwrite, "--steps", "1", "--results", "results", *SETS]
+            refused(capsys, argv, "is not a directory")
+    assert tree(workspace) == before
+
+
 # ------------------------------------------------------------ class 4: a comparison's runs are its own
 
 
