@@ -214,12 +214,14 @@ MARKERS = [("[]", "holds list"), ("null", "holds null"), ("{", "not JSON"), ('{"
 
 
 @pytest.mark.parametrize("text, problem", MARKERS)
-def test_a_damaged_comparison_marker_is_named_not_taken_for_another_comparison(tmp_path, capsys, text, problem):
-    directory = tmp_path / "compare-grpo-atr"
+@pytest.mark.parametrize("kind", ["compare", "sweep"])
+def test_a_damaged_comparison_marker_is_named_not_taken_for_another_comparison(tmp_path, capsys, text, problem, kind):
+    directory = tmp_path / ("compare-grpo-atr" if kind == "compare" else "sweep-atr-max_kl3")
     (directory / "runs").mkdir(parents=True)
-    write_damage(directory / "compare.json", text)
+    write_damage(directory / f"{kind}.json", text)
     before = tree(tmp_path)
-    refused(capsys, compare_args(tmp_path), f"compare.json is damaged ({problem}")
+    sweep = ["sweep", "atr", "--grid", "max_kl3=0.05,0.1", "--results", str(tmp_path), *SETS]
+    refused(capsys, compare_args(tmp_path) if kind == "compare" else sweep, f"{kind}.json is damaged ({problem}")
     assert tree(tmp_path) == before
 
 
