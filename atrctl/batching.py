@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from atrctl.rollout import Rollout
+from atrctl.seeds import derive_seed
 
 
 def rank_positions(prompts: int, minibatches: int, world: int, rank: int) -> list[int]:
@@ -46,7 +47,7 @@ def sampling_chunks(positions: list[int], group_size: int, sample_batch: int) ->
 
 def rollout_seed(seed: int, step: int, position: int) -> int:
     """Seed of the generator that samples the chunk starting at `position` of step `step`."""
-    return ((seed * 1_000_003 + step) * 1_000_033 + position) % (2**63)
+    return derive_seed(seed, step, position)
 
 
 def parts(rows: int, count: int) -> list[slice]:

@@ -22,6 +22,7 @@ from atrctl.errors import UserError
 from atrctl.passk import EvalResult, default_ks
 from atrctl.prompts import PLAIN, PromptStyle
 from atrctl.rundir import RunDir
+from atrctl.seeds import derive_seed
 from atrctl.tasks import Problem, Task
 
 DEFAULT_KEEP = 4  # sampled completions per problem written to samples.jsonl (beside its greedy one)
@@ -291,7 +292,7 @@ def sample_chunks(problems: int, n: int, batch_size: int) -> list[range]:
 
 def eval_chunk_seed(seed: int, first: int) -> int:
     """Seed of the generator that samples the chunk whose first problem has index `first`."""
-    return (seed * 1_000_003 + first) % (2**63)
+    return derive_seed(seed, first)
 
 
 def evaluate_model(

@@ -68,6 +68,7 @@ from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
 from atrctl.rundir import RunDir, bases_folder, environment, exclusive
 from atrctl.scoring import mean_reward, sampled_scores
+from atrctl.seeds import derive_seed
 from atrctl.sharding import (
     GatheredSampler,
     check_can_shard,
@@ -982,7 +983,7 @@ def prompts_for_step(pool_size: int, step: int, prompts: int, seed: int) -> list
 def _epoch_order(pool_size: int, epoch: int, seed: int) -> tuple[int, ...]:
     """The pool's order in one epoch; kept, since every step of the epoch reads it (drawn per step, the default
     recipe's permutation took ~1.5 ms, ~1% of a tiny model's step)."""
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)  # as ever below 2^63
+    generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
     return tuple(torch.randperm(pool_size, generator=generator).tolist())
 
 
