@@ -316,23 +316,13 @@ def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 MATH_ATTENTION_MAX = 2048
-"""Query-key pairs per row and head up to which `_attend` writes attention out instead of calling SDPA.
-Measured (`benchmarks/attention_kernel.py`, float32, 2 threads, forward + backward compiled; time written
-out / SDPA, 7 pairs): 0.50x at medium's completions (7 queries x 16 keys, head_dim 64), 0.61x at its
-prompts (9 x 9), 0.86x at tiny's (head_dim 16), 0.76x at 31 x 40, 0.85x at 63 x 72, 1.12x at 255 x 300
-(eager: 1.09x already at 63 x 72).  In the whole update pass that is 0.97x [0.93, 1.01] for medium and
-0.99x [0.82, 1.05] for tiny: attention is a small part of either."""
+"""Query-key pairs per row and head up to which `_attend` writes attention out instead of calling SDPA: below it the
+written-out form is faster, above it SDPA. Measured: docs/performance-log.md#math_attention_max."""
 SUMMED_ATTENTION_MAX = 512
-"""Query-key pairs per row and head up to which compiled, written-out attention takes its two products as
-broadcast products summed over the shared dimension.  Inductor then generates them as reductions fused with
-the mask and softmax around them, where as matrix products they are hundreds of calls to a batched product
-of 7 x 64 by 64 x 16 matrices at 38 GFLOP/s (a 2048³ float32 product runs at ~190 here).  Same sums in
-float32 (tested against transformers to 1e-5, gradients included).  Measured (medium's update pass, one
-micro-batch, bf16, forward + backward, 10 alternating pairs; time summed / matrix products): 0.93x
-[0.78, 0.95] at 8 new tokens (7 x 16 pairs), 0.98x at 16 (15 x 24), 1.06x at 32 (31 x 40); tiny (float32)
-at 8: 0.93x, at 32: 1.02x and 1.04x in two runs.  Whole medium steps at 8 new tokens, in one process
-alternating the two (15 pairs): 1.06x [0.93, 1.10] faster, all of it in the update.  A guard like
-MATH_ATTENTION_MAX: crossing it compiles the pass once more."""
+"""Query-key pairs per row and head up to which compiled, written-out attention takes its two products as broadcast
+products summed over the shared dimension, which inductor fuses with the mask and softmax (the same sums in float32,
+tested against transformers to 1e-5); crossing it compiles the pass once more. Measured:
+docs/performance-log.md#summed_attention_max."""
 
 
 def prefill(

@@ -221,15 +221,8 @@ def numerics(
 
 
 CPU_BF16_MIN_WIDTH = 256
-"""Narrower models stay float32 on CPU.  Measured on a 2-core AMX Xeon (amx_bf16), the real training step of
-the default recipe (benchmarks/step_throughput.py --arms autocast, float32 time / bf16 time over 20 paired
-steps): 0.81x at 64 wide (tiny), 1.04x [0.98, 1.12] at 128 (small), 1.35x [1.30, 1.43] at 256 (medium);
-compiled, medium's step ran 1.64x faster (698 against 419 ms).  What made 256 pay: short attention written out
-in float32 (`decoder_pass._attend`; SDPA's bf16 backward had been half of medium's update, and medium's
-step had lost, 0.89x).  The batch of benchmarks/cpu_bf16.py, 32 rows, is too small for bf16 sampling to
-pay (0.77x at medium there, 1.7x faster at the recipe's 512 rows) and gives medium's step 1.04x, 576 wide
-(SmolLM2-135M's shape) 1.30x.  On a newer EPYC whose bf16 products run 4.1x float32's medium's step gained
-1.38x with SDPA still in place (README).  Without native bf16 it is emulated, 2-4x slower: never auto."""
+"""Narrower models stay float32 on CPU, where bf16 autocast did not pay below this width; without native bf16
+instructions it is emulated, 2-4x slower, and never chosen. Measured: docs/performance-log.md#cpu_bf16_min_width."""
 
 
 def linears_autocast_casts(model) -> list:
@@ -292,12 +285,9 @@ def sized_batch(model: torch.nn.Module, tokens_per_row: int, requested: int = 0)
 
 UPDATE_BUDGET = 4 * 2**30  # bytes of activations a default-sized micro-batch may keep on a CPU
 GPU_UPDATE_SHARE = 4
-"""On a GPU the budget is this fraction (1/4) of the card's memory.  The CPU's 4 GiB cut the Qwen2.5-0.5B shape's
-256-token rows into micro-batches of 3 on an H200: 170 launch-bound passes a step, 22 s of update at 1.6% MFU
-(benchmarks/gpu_check.sh).  A quarter leaves the rest for the weights, gradients and AdamW (16 bytes a
-parameter), the sampler's KV cache and the logits; under bf16 autocast the activations take about half the
-float32 estimate, a margin of its own.  It is the card's total, not its free memory, so a run's micro-batches
-(and its float sums) depend on the recipe and the kind of GPU alone."""
+"""On a GPU the activation budget is this fraction (1/4) of the card's total memory, which leaves the rest for weights,
+gradients, AdamW and the KV cache; the total, not the free memory, so micro-batches depend on the recipe and the kind
+of GPU alone. Measured: docs/performance-log.md#gpu_update_share."""
 
 
 def update_budget(device: torch.device) -> int:

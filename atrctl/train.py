@@ -635,16 +635,9 @@ def _fill_old_logprobs(run: Run, rollout: Rollout, pieces: list[torch.Tensor], o
 
 
 PASS_TOKENS = {"cpu": 512}
-"""A forward/backward pass's fixed cost in tokens' worth of its work, by device type, for the cut of the
-update's rows (`batching.least_padding_cut`).  On a 2-core CPU the tiny preset's pass took ~8 ms plus
-~18 µs a token (16 and 128 rows × 73 tokens): ~440 tokens.  Swept over a fresh model's 128 rows × up to 64
-new tokens against the fewest pieces (`benchmarks/length_order.py --sweep 128 256 512 1024 2048`, 5 pairs):
-tiny 1.22x, 1.22x, 1.39x, 1.42x, 1.22x; medium (whose tokens cost more) 1.10x, 1.08x, 1.11x, 1.00x, 1.03x,
-most within the noise (an earlier probe: tiny 1.09x-1.47x, best at 512-1024; medium none); at 8 new
-tokens every value keeps one piece.  Compiled (tiny, 64 new tokens, update time of the same rollouts in one
-process, 10 alternating pairs, 512's time / the other's): 1024 0.985x [0.89, 1.03], 256 0.968x [0.92, 1.04].
-Other devices (not measured: a GPU idles on small batches) take the fewest pieces the memory budget allows,
-padded as little as that count can be."""
+"""A forward/backward pass's fixed cost in tokens' worth of its work, by device type, for the cut of the update's rows
+(`batching.least_padding_cut`); other devices take the fewest pieces the memory budget allows. Measured:
+docs/performance-log.md#pass_tokens."""
 FEWEST_PASSES = 1e9
 
 
