@@ -5,9 +5,10 @@ repeat).  glibc's malloc serves blocks over its mmap threshold (128 KiB at first
 with fresh mmaps and hands freed heap tops back to the kernel above its trim threshold (128 KiB); each
 returned page is faulted in and zeroed again on its next use, and on a VM a page fault is dear.  Raising
 the mmap threshold to 32 MiB (the most its own adjustment reaches on 64-bit) and the trim threshold out of
-reach keeps freed blocks for reuse.  Measured on this project's 2-core CPU (benchmarks/allocator.py, 20
-paired steps): the medium preset's compiled step went from 9.8k minor faults to 0.9k and ran 1.11x faster
-[0.98, 1.26] (eager, 12 pairs: 1.15x); tiny at 8 and 64 new tokens 1.06x and 1.09x; peak RSS +1%.
+reach keeps freed blocks for reuse.  Measured on this project's 2-core CPU (`allocator`, retired:
+docs/performance-log.md; 20 paired steps): the medium preset's compiled step went from 9.8k minor faults to
+0.9k and ran 1.11x faster [0.98, 1.26] (eager, 12 pairs: 1.15x); tiny at 8 and 64 new tokens 1.06x and
+1.09x; peak RSS +1%.
 
 The cost: memory freed after a step's peak stays with the process instead of returning to the system, so
 its resident size sits at its peak, which it reaches every step anyway.  Blocks of 32 MiB and more (the

@@ -5,8 +5,8 @@ group's shared prompt once, then the completions on its KV cache).  Here the loo
 calls the model's own norms, projections and MLPs (so LoRA adapters inside them still apply), with
 rotary phases, masks and SDPA computed once per pass, and the prompts' and completions' positions go
 through each position-wise step as one matrix (`decoder_states`).  Same arithmetic as transformers'
-(tested to 1e-6, gradients included), and faster eagerly too (`benchmarks/update_pass.py`): every model
-it supports takes it.
+(tested to 1e-6, gradients included), and faster eagerly too (`update_pass` (retired: docs/performance-log.md)): every
+model it supports takes it.
 
 Being a plain function of tensors, it is what `torch.compile` takes, with dynamic shapes, so one
 compilation serves every micro-batch's rows and widths (`model.compile`, `compile_policy`); the
@@ -280,8 +280,8 @@ def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     Short attention on a CPU (at most MATH_ATTENTION_MAX query-key pairs per head) is written out as two
     products and a softmax, in float32 whatever the autocast: torch's CPU flash kernel takes up to 2x as long
     there in float32, forward and backward, and under bf16 its backward was 55% of a medium model's compiled
-    update on an AMX Xeon (`benchmarks/attention_kernel.py`).  Its scores are then at most 8 KB per row and
-    head.  Float32 is what the flash kernel accumulates and normalises in, so written out and SDPA agree to
+    update on an AMX Xeon (`attention_kernel` (retired: docs/performance-log.md)).  Its scores are then at most 8 KB
+    per row and head.  Float32 is what the flash kernel accumulates and normalises in, so written out and SDPA agree to
     float32 rounding, and under bf16 to the rounding of the output (both tested): a policy on transformers'
     forward (FSDP, attention dropout) and its reference on this pass then start with a KL of bf16 noise at
     most.  Everything else takes SDPA: long attention, whose memory then does not grow with L·S, and a GPU's

@@ -306,8 +306,8 @@ def activation_bytes_per_token(model: torch.nn.Module, tokens_per_row: int, chec
     MLP's width (gate, up, the activation's input and output, the product) and the attention probabilities
     over the row, 2 × heads × tokens (CPU attention with a padding mask saves them).  At 320 tokens this
     gives 2.5 MB for SmolLM2-135M and 4.5 MB for Qwen2.5-0.5B; one forward/backward there grew the process by
-    2.4 and 4.8 MB per token beyond its parameter gradients (benchmarks/update_memory.py).  With activation
-    checkpointing a layer keeps only its input, and the one being recomputed all of the above.
+    2.4 and 4.8 MB per token beyond its parameter gradients (`update_memory` (retired: docs/performance-log.md)).  With
+    activation checkpointing a layer keeps only its input, and the one being recomputed all of the above.
     `checkpointing` None asks the model (transformers walks its modules for that: pass it when calling often).
     """
     config = model.config

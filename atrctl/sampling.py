@@ -34,8 +34,8 @@ class HFSampler:
         """In float32 the KV-cache decode equals a full pass to ~1e-6.  Under bf16 autocast on a CPU it differs
         by bf16 rounding (mean 0.03, max 0.36 nats on SmolLM2-135M), yet the tokens were drawn from exactly
         these probabilities, and the update taken on them landed closer to the float32 update than one on
-        recomputed bf16 logprobs, in 10 of 12 rollouts (`benchmarks/old_logprobs_bf16.py`), while saving a
-        forward pass.  On CUDA that comparison has not been run, so bf16 there still recomputes."""
+        recomputed bf16 logprobs, in 10 of 12 rollouts (`old_logprobs_bf16` (retired: docs/performance-log.md)), while
+        saving a forward pass.  On CUDA that comparison has not been run, so bf16 there still recomputes."""
         return not self.numerics.autocast_enabled or self.numerics.device.type == "cpu"
 
     def load_weights(self, model: PreTrainedModel) -> None:
@@ -308,9 +308,9 @@ def _without_grad(device: torch.device, compiled: bool):
     copy of each weight for as long as its block lasts, but not under inference_mode, which made every
     decoding step cast every weight again.  Kept, eager bf16 sampling ran 1.12x faster on the SmolLM2-135M
     shape (32 rows) and 1.57x on the Qwen2.5-0.5B shape (16 rows), 0.99x on medium's 512 rows, whose products
-    outweigh its 4M weights' casts (`benchmarks/grad_mode.py`, 32 new tokens).  A compiled step casts inside
-    its graph either way (0.93x, 0.99x there), and without autocast there is nothing to keep: inference_mode,
-    the cheaper of the two, stays."""
+    outweigh its 4M weights' casts (`grad_mode` (retired: docs/performance-log.md), 32 new tokens).  A compiled step
+    casts inside its graph either way (0.93x, 0.99x there), and without autocast there is nothing to keep:
+    inference_mode, the cheaper of the two, stays."""
     keeps_casts = torch.is_autocast_enabled(device.type) and not compiled
     return torch.no_grad() if keeps_casts else torch.inference_mode()
 

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from fresh_models import EVERY_ROW, save_model  # benchmarks/ is on sys.path when run as a script
+from common import EVERY_ROW, parse_with_smoke, save_model  # benchmarks/ is on sys.path when run as a script
 from shapes import matmul_peak_gflops
 from torch.profiler import ProfilerActivity, profile
 
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25, help="operators to list")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--by-shape", action="store_true", help="matrix products by shape, with GFLOP/s")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, steps=1, rows=5)
     set_cpu_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)

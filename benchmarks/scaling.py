@@ -27,7 +27,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from fresh_models import EVERY_ROW, QWEN_HALF_B_SHAPE, save_model  # benchmarks/ is on sys.path when run as a script
+from common import (  # benchmarks/ is on sys.path when run as a script
+    EVERY_ROW,
+    QWEN_HALF_B_SHAPE,
+    parse_with_smoke,
+    save_model,
+)
 
 from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
@@ -188,7 +193,9 @@ def main() -> None:
         "--set", action="append", default=[], help="a recipe override (repeatable), e.g. algo.micro_batch=3"
     )
     parser.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s, if not in the table")
-    args = parser.parse_args()
+    args = parse_with_smoke(
+        parser, presets=["tiny"], groups=[2], lengths=[4], prompts=2, minibatches=1, steps=1, gpu=False
+    )
     set_cpu_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         if args.cpu:

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common import parse_with_smoke  # benchmarks/ is on sys.path when run as a script
+
 RESULT = "RESULT "
 SIZES = {  # prompts, G, prompt tokens, new tokens: the default recipe's batch for the presets, smaller above
     "tiny": (64, 8, 8, 64),
@@ -39,7 +41,7 @@ def matmul_peak_gflops(size: int = 2048, repeats: int = 5, dtype=None) -> float:
     """GFLOP/s of one [size, size] @ [size, size] product (float32 unless `dtype`): what these cores reach at
     best."""
     import torch
-    from cpu_bf16 import seconds  # benchmarks/ is on sys.path
+    from common import seconds  # benchmarks/ is on sys.path
 
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
@@ -62,8 +64,7 @@ def forward_flops(config, tokens: int, keys: float) -> float:
 
 def worker(shape: str, repeats: int, bf16: bool) -> dict:
     import torch
-    from cpu_bf16 import autocast, draw, seconds, shape_model  # benchmarks/ is on sys.path
-    from update_memory import rss_mib
+    from common import autocast, draw, rss_mib, seconds, shape_model  # benchmarks/ is on sys.path
 
     from atrctl.batching import rows
     from atrctl.config import AlgoConfig
@@ -128,7 +129,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast, against a bf16 product's peak")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, shapes=["tiny"], repeats=1)
     if args.worker:
         print(RESULT + json.dumps(worker(args.worker, args.repeats, args.bf16)), flush=True)
         return

@@ -3,7 +3,7 @@
 Not a test.  Meant for a GPU machine (`benchmarks/gpu_check.sh shard` runs it), and runs anywhere: under
 torch.distributed.run with N processes the policy is sharded over them (`model.shard = "fsdp"`; nccl on
 CUDA, gloo on the CPU); with --lora it trains LoRA adapters in one process.  The model is a preset or a
-random model of a real checkpoint's shape (`fresh_models.py`), EOS is suppressed so every completion is
+random model of a real checkpoint's shape (`common.py`), EOS is suppressed so every completion is
 --length tokens long, and the first step is not measured (allocation, kernel selection).
 
     torchrun --nproc-per-node 8 benchmarks/shard_check.py --model qwen2.5-0.5b-shape     # sharded over 8 GPUs
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fresh_models import save_model  # noqa: E402
+from common import parse_with_smoke, save_model  # noqa: E402
 from scaling import EOS_PENALTY, PEAK_BF16_TFLOPS, model_flops_per_step  # noqa: E402
 
 from atrctl import distributed  # noqa: E402
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps, after one unmeasured")
     parser.add_argument("--scratch", default="/tmp", help="where the model and the run are written (then deleted)")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak, for MFU")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, model="tiny", device="cpu", lora=True, group=2, length=4, micro_batch=0, steps=1)
 
     world = distributed.world_size()
     args.prompts = args.prompts or 2 * world * max(1, 8 // world)  # 2 mini-batches, whole groups on every rank

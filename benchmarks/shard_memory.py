@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common import parse_with_smoke  # benchmarks/ is on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = "RESULT "
 CONFIGS = ("full", "fsdp2", "lora")
@@ -37,8 +39,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     sys.path[:0] = [str(ROOT / "benchmarks")]
-    from fresh_models import real_vocabulary_shape
-    from update_memory import rss_mib
+    from common import real_vocabulary_shape, rss_mib
 
     from atrctl import distributed
     from atrctl.adapters import add_adapters, lora_settings, trained_parameters
@@ -108,7 +109,7 @@ def main() -> None:
     parser.add_argument("--live", action="store_true", help="return freed heap blocks: RSS = tensors alive")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, shape="smollm2-135m", rows=1, prompt=8, completion=8, configs=["full", "lora"])
     if args.worker:
         results = worker(args)
         if int(os.environ.get("RANK", "0")) == 0:

@@ -2,7 +2,7 @@
 
 Not a test. Runs the real training step (`atrctl.train.train_step`) on a freshly initialised
 preset saved as an ordinary model directory (no warm-up: an untrained model's completions end at
-random, `fresh_models`), with the default recipe's batch.  For each preset an
+random, `common`), with the default recipe's batch.  For each preset an
 atr run and a grpo run take their steps in turn, in the same process, so step k of one is paired
 with step k of the other under the same machine conditions; the atr/grpo ratio is the median of
 the paired ratios, with its 2.5-97.5% range over pairs.  `--arms autocast` pairs float32 against bf16
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from fresh_models import EVERY_ROW, save_model  # benchmarks/ is on sys.path when run as a script
+from common import EVERY_ROW, parse_with_smoke, save_model  # benchmarks/ is on sys.path when run as a script
 
 from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", action="append", default=[], help="recipe override for both arms, section.key=value")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, presets=["tiny"], steps=1, warmup=0)
     set_cpu_threads(args.threads)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch = default recipe "

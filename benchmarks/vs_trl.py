@@ -51,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import parse_with_smoke  # benchmarks/ is on sys.path when run as a script
+
 READY = "READY"  # a worker's stdout line once it is built and waits for its first step
 STEP = "STEP "  # a worker's stdout line after each step: this marker and a JSON object
 RESULT = "RESULT "  # a FLOP-counting worker's last stdout line, likewise
@@ -484,7 +486,18 @@ def main() -> None:
         help="skip the two extra (untimed) processes that count each side's matrix-product FLOPs per step",
     )
     parser.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_with_smoke(
+        parser,
+        preset="tiny",
+        prompts=2,
+        group_size=2,
+        max_new_tokens=4,
+        minibatches=1,
+        warmup=0,
+        pairs=1,
+        rounds=1,
+        no_flops=True,
+    )
     if min(args.pairs, args.rounds) < 1 or args.warmup < 0:
         parser.error("--pairs and --rounds must be at least 1 and --warmup at least 0")
     if args.worker:
@@ -497,7 +510,7 @@ def main() -> None:
 
     import importlib.util
 
-    from fresh_models import save_model  # benchmarks/ is on sys.path when this file runs as a script
+    from common import save_model  # benchmarks/ is on sys.path when this file runs as a script
 
     if importlib.util.find_spec("trl") is None:
         print(

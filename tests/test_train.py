@@ -210,8 +210,8 @@ def test_first_pass_is_on_policy(short_run):
 
 def test_auto_recomputes_old_logprobs_only_under_bf16_on_cuda():
     """The rollout backend decides, from its numerics: the hf sampler's logprobs stand in for the old ones in
-    float32 (they match the forward pass) and under bf16 on a CPU (measured, `benchmarks/old_logprobs_bf16.py`);
-    under bf16 on CUDA, not measured there, they are recomputed."""
+    float32 (they match the forward pass) and under bf16 on a CPU (measured, `old_logprobs_bf16` (retired:
+    docs/performance-log.md)); under bf16 on CUDA, not measured there, they are recomputed."""
     tokenizer = build_char_tokenizer()
     cpu, cpu_bf16, cuda = (
         HFSampler(None, tokenizer, Numerics(torch.device(name), torch.float32, autocast))

@@ -1,4 +1,5 @@
-"""Freshly initialised models saved as ordinary model directories, for the benchmarks.
+"""What the benchmarks share: freshly initialised models saved as ordinary model directories, and the timing
+and sampling helpers every tool times with.
 
 A model directory is what `atrctl train` (model.base) and TRL both load, so every benchmark side
 starts from identical weights.  Untrained models draw EOS about as often as any of the 57 characters,
@@ -7,6 +8,8 @@ so their completions end at random: half of the tiny preset's row-steps at 64 ne
 
 from __future__ import annotations
 
+import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -96,3 +99,62 @@ def real_model_prompts(tokenizer, count: int = 8) -> list[list[int]]:
         )  # fmt: skip
         for q in questions
     ]
+
+
+def shape_model(name: str):
+    """A fresh model of a preset (tiny, small, medium) or of a real model's shape (REAL_VOCABULARY_SHAPES)."""
+    if name in REAL_VOCABULARY_SHAPES:
+        return real_vocabulary_shape(name)
+    return build_model(name, build_char_tokenizer(), seed=0)
+
+
+def autocast(on: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+
+
+def draw(model, prompts, group: int, tokens: int, bf16: bool, seed: int = 0):
+    """`sample` as `HFSampler.generate` runs it: in eval mode (a training-mode model decodes through SDPA,
+    not the sampler's own decode attention), under the autocast of `bf16`; no row draws EOS, so every
+    completion is `tokens` long."""
+    from atrctl.sampling import sample
+
+    training = model.training
+    model.eval()
+    try:
+        with autocast(bf16):  # sample() turns gradients off itself; what it returns can enter a graph
+            return sample(
+                model,
+                prompts,
+                repeats=group,
+                max_new_tokens=tokens,
+                eos_id=[model.config.vocab_size],  # an id no row can draw
+                pad_id=0,
+                generator=torch.Generator().manual_seed(seed),
+            )
+    finally:
+        model.train(training)
+
+
+def seconds(work) -> float:
+    """Wall-clock seconds of one call of `work`."""
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+def parse_with_smoke(parser: argparse.ArgumentParser, **smallest) -> argparse.Namespace:
+    """The tool's arguments, with `--smoke` setting `smallest`: a run of a few seconds that checks the tool
+    still works (tests/test_benchmarks.py runs every tool so); its figures mean nothing."""
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (seconds): checks the tool works")
+    args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(smallest)
+    return args
+
+
+def rss_mib(field: str) -> float:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM: the peak), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
