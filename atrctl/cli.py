@@ -8,6 +8,7 @@ them, so `atrctl --help` and `atrctl plot-bounds` start quickly.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from contextlib import nullcontext
@@ -20,7 +21,8 @@ import typer
 from atrctl import __version__
 from atrctl.bounds_table import FIGURE_FORMATS
 from atrctl.config import AlgoConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig
-from atrctl.display import console, stderr
+from atrctl.destinations import check_destination, disk_full
+from atrctl.display import OutputLost, console, stderr
 from atrctl.divergence import region_defaults
 from atrctl.errors import UserError
 from atrctl.models import DEVICES
@@ -238,6 +240,7 @@ def warmup(
             f"model.base '{config.model.base}' is not a preset ({', '.join(PRESETS)}): "
             "real models are used as they are, without a warm-up"
         )
+    check_destination(results, f"--results {results}")
     with display.warmup_bar(config.warmup.max_steps) as on_progress:
         path, info = ensure_base(config, results, on_progress)
     console.print(
@@ -325,6 +328,7 @@ def train(
     validate_algo(config, nproc)
     main_rank = distributed.is_main()
     if main_rank:
+        check_destination(run_dir.path, f"run directory {run_dir.path}", replace=overwrite)
         run_dir.check_can_start(resume is not None, overwrite)
     if nproc is not None and nproc > 1:
         raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
@@ -352,6 +356,15 @@ def train(
         else:
             stderr.print(f"interrupted: checkpoint saved; continue with  atrctl train --resume {run_dir.path}")
         raise typer.Exit(130) from None
+    except OSError as error:  # the disk filled up: the last checkpoint (or the run it was to replace) is kept
+        from atrctl.checkpoint import find_checkpoint
+
+        resumable = run_dir.checkpoint.is_dir() and find_checkpoint(run_dir.checkpoint) is not None
+        retry = f"continue with  atrctl train --resume {run_dir.path}" if resumable else "rerun the same command"
+        full = disk_full(error, retry)
+        if full is None:
+            raise
+        raise full from None
     except TrainingStopped as error:
         if main_rank:
             stderr.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
@@ -443,6 +456,7 @@ def eval_command(
     keep = None if completions == "all" else int(completions)
     prompt = dict(chat_template=chat_template, system_prompt=system_prompt, instruction=instruction)
     spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out, **prompt)
+    check_destination(spec.directory, f"--out {spec.directory}")
     if has_evaluation(spec.directory) and not overwrite:
         raise UserError(
             f"{spec.directory} already holds an evaluation; pass --overwrite to replace it or --out elsewhere"
@@ -544,9 +558,19 @@ def compare(
         overwrite=overwrite,
         results=results,
     )
+    _check_comparison_destinations(comparison)
     command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
     _run_and_show(comparison, display.compare_table, n=n, problems=problems, jobs=jobs, results=results,
                   command=command)  # fmt: skip
+
+
+def _check_comparison_destinations(comparison) -> None:
+    """The comparison's folder, and every finished run given as an arm (its eval/ is written), before any work."""
+    check_destination(comparison.directory, f"{comparison.kind} folder {comparison.directory}",
+                      replace=comparison.overwrite)  # fmt: skip
+    for arm in comparison.arms:
+        if arm.run_dir is not None:
+            check_destination(arm.run_dir, f"arm '{arm.label}' (its eval/ is written)")
 
 
 def _run_and_show(comparison, table, report=None, **options) -> None:
@@ -612,6 +636,7 @@ def sweep(
         loss, grid, vs or [], seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=config, max_kl3=max_kl3,
         eps=eps, eps_high=eps_high, name=name, overwrite=overwrite, results=results,
     )  # fmt: skip
+    _check_comparison_destinations(planned.comparison)
     command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
     report = lambda comparison, evaluations, ks, text, seconds: write_sweep_report(  # noqa: E731
         planned, evaluations, ks, text, seconds
@@ -647,7 +672,7 @@ def export(
         raise UserError(f"{parsed.loss} takes no {', '.join(unused)}; its parameters: "
                         f"{', '.join(loss_parameters(parsed.loss))}")  # fmt: skip
     merged = {**flags, **dict(parsed.params)}  # the arm's own values win
-    print(snippet(parse_arm(arm_text(parsed.loss, list(merged.items()))), to), end="")
+    print(snippet(parse_arm(arm_text(parsed.loss, list(merged.items()))), to), end="", file=console.file)
 
 
 # --------------------------------------------------------------------- entry
@@ -658,12 +683,20 @@ def main(argv: list[str] | None = None) -> int:
     invocation = list(sys.argv[1:] if argv is None else argv)  # as typed, for reports and relaunches
     try:
         code = app(args=argv, prog_name="atrctl", standalone_mode=False, obj=invocation)
+    except OutputLost as lost:
+        return _output_lost(lost)
+    except OSError as error:  # a disk that filled up during the work (its checks passed before it began)
+        full = disk_full(error, "rerun the same command")
+        if full is None:
+            raise
+        return main_error(full)
     except UserError as error:
         from atrctl.distributed import is_main, rank
 
         if is_main() or not error.shared:  # under torchrun a shared refusal is said once
             where = "" if is_main() else f"[rank {rank()}] "
-            stderr.print(f"{where}error: {error}", markup=False, highlight=False, soft_wrap=True)
+            with contextlib.suppress(OutputLost):
+                stderr.print(f"{where}error: {error}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except typer.TyperException as error:  # typer's own parse errors (it vendors click)
         stderr.print(
@@ -674,6 +707,31 @@ def main(argv: list[str] | None = None) -> int:
         stderr.print("aborted", markup=False)
         return 130
     return code if isinstance(code, int) else 0
+
+
+def main_error(error: UserError) -> int:
+    """Say `error` in one line on stderr (unless stderr itself is gone); exit code 2."""
+    try:
+        stderr.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
+    except OutputLost:
+        pass
+    return 2
+
+
+def _output_lost(lost: OutputLost) -> int:
+    """stdout or stderr cannot be written: what is still buffered goes to /dev/null (else Python's exit would
+    report the same failure as a traceback), then one line on stderr, or nothing for a pipe whose reader has
+    gone (`atrctl ls | head -1`: the reader asked for no more), which ends like any Unix tool on SIGPIPE."""
+    import errno
+    import os
+
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # a stream without a file descriptor
+        os.dup2(os.open(os.devnull, os.O_WRONLY), getattr(sys, lost.stream).fileno())
+    if lost.error.errno == errno.EPIPE:
+        return 128 + 13  # SIGPIPE's status
+    if lost.stream == "stderr":
+        return 2
+    return main_error(UserError(f"{lost}: send it to a file or device with space"))
 
 
 if __name__ == "__main__":
