@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import time
 from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
@@ -240,7 +241,7 @@ def warmup(
             f"model.base '{config.model.base}' is not a preset ({', '.join(PRESETS)}): "
             "real models are used as they are, without a warm-up"
         )
-    check_destination(results, f"--results {results}")
+    check_destination(results, "--results")
     with display.warmup_bar(config.warmup.max_steps) as on_progress:
         path, info = ensure_base(config, results, on_progress)
     console.print(
@@ -328,12 +329,13 @@ def train(
     validate_algo(config, nproc)
     main_rank = distributed.is_main()
     if main_rank:
-        check_destination(run_dir.path, f"run directory {run_dir.path}", replace=overwrite)
+        check_destination(run_dir.path, "--name or --results", replace=overwrite, what=f"run directory {run_dir.path}")
         run_dir.check_can_start(resume is not None, overwrite)
     if nproc is not None and nproc > 1:
         raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
     # under torchrun only rank 0 shows and reports; the others train silently
     shown = display.training_bars(config.algo.loss, config.run.steps, config.warmup.max_steps)
+    started = time.time_ns()
     try:
         with shown if main_rank else nullcontext((None, None)) as (on_warmup, on_step):
             summary = run_training(
@@ -357,9 +359,7 @@ def train(
             stderr.print(f"interrupted: checkpoint saved; continue with  atrctl train --resume {run_dir.path}")
         raise typer.Exit(130) from None
     except OSError as error:  # the disk filled up: the last checkpoint (or the run it was to replace) is kept
-        from atrctl.checkpoint import find_checkpoint
-
-        resumable = run_dir.checkpoint.is_dir() and find_checkpoint(run_dir.checkpoint) is not None
+        resumable = resume is not None or _checkpointed_since(run_dir, started)
         retry = f"continue with  atrctl train --resume {run_dir.path}" if resumable else "rerun the same command"
         full = disk_full(error, retry)
         if full is None:
@@ -376,6 +376,15 @@ def train(
         f"done: {run_dir.path}  held-out greedy {base['eval/greedy']:.1%} → {final['eval/greedy']:.1%}, "
         f"sampled pass@1 {base['eval/pass@1']:.1%} → {final['eval/pass@1']:.1%}"
     )
+
+
+def _checkpointed_since(run_dir, started_ns: int) -> bool:
+    """Whether this command wrote a checkpoint of the run (else an --overwrite put the older run back, or none
+    was reached: the same command starts it again)."""
+    from atrctl.checkpoint import find_checkpoint
+
+    found = find_checkpoint(run_dir.checkpoint)
+    return found is not None and (found / "state.json").stat().st_mtime_ns >= started_ns
 
 
 # --------------------------------------------------------------------- eval
@@ -456,7 +465,7 @@ def eval_command(
     keep = None if completions == "all" else int(completions)
     prompt = dict(chat_template=chat_template, system_prompt=system_prompt, instruction=instruction)
     spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out, **prompt)
-    check_destination(spec.directory, f"--out {spec.directory}")
+    check_destination(spec.directory, "--out")
     if has_evaluation(spec.directory) and not overwrite:
         raise UserError(
             f"{spec.directory} already holds an evaluation; pass --overwrite to replace it or --out elsewhere"
@@ -566,11 +575,12 @@ def compare(
 
 def _check_comparison_destinations(comparison) -> None:
     """The comparison's folder, and every finished run given as an arm (its eval/ is written), before any work."""
-    check_destination(comparison.directory, f"{comparison.kind} folder {comparison.directory}",
-                      replace=comparison.overwrite)  # fmt: skip
+    check_destination(comparison.directory, "--name or --results", replace=comparison.overwrite,
+                      what=f"{comparison.kind} folder {comparison.directory}")  # fmt: skip
     for arm in comparison.arms:
         if arm.run_dir is not None:
-            check_destination(arm.run_dir, f"arm '{arm.label}' (its eval/ is written)")
+            check_destination(arm.run_dir, "arm (a copy of the run in a writable folder)",
+                              what=f"arm '{arm.label}' (its eval/ is written)")  # fmt: skip
 
 
 def _run_and_show(comparison, table, report=None, **options) -> None:

@@ -8,9 +8,11 @@ A full disk that comes later is `disk_full`'s one line, raised where the write f
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from atrctl.errors import UserError
@@ -20,44 +22,48 @@ MIN_FREE_BYTES = 1 << 20
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def check_destination(path: str | os.PathLike, what: str, *, folder: bool = True, replace: bool = False) -> Path:
-    """`path` can be written as a folder (or, `folder=False`, a file): no file stands where a folder must
-    be (the path or one above it), no symbolic link loops or points nowhere, a link is not what --overwrite
-    would replace (the link would go, not what it points to), the folder that will hold it is writable and
-    its device has space.  `what` names the path in the message ("--out results/x.png").  Returns `path`."""
+def check_destination(
+    path: str | os.PathLike, flag: str, *, folder: bool = True, replace: bool = False, what: str | None = None
+) -> Path:
+    """`path` can be written as a folder (or, `folder=False`, a file): no file stands where a folder must be
+    (the path or one above it), no symbolic link loops or points nowhere, a link is not what --overwrite would
+    replace (the link would go, not what it points to), the folder that will hold it is writable and its
+    device has space.  The message names it as `what` (default: "<flag> <path>") and says to choose another
+    `flag` (the option that sets it).  Returns `path`."""
     path = Path(path)
+    what = what or f"{flag} {path}"
     absolute = Path(os.path.abspath(path))  # ".." taken literally, links not followed: what the writes will do
     nearest = None
     for ancestor in reversed(absolute.parents):  # from / down to the path's folder
-        kind = _kind(ancestor, what)
+        kind = _kind(ancestor, what, flag)
         if kind is None:
             break
         if kind != "folder":
-            raise UserError(f"{what}: {ancestor} is {kind}, not a folder; choose another path")
+            raise UserError(f"{what}: {ancestor} is {kind}, not a folder; choose another {flag}")
         nearest = ancestor
     else:
-        kind = _kind(absolute, what)
+        kind = _kind(absolute, what, flag)
         if kind is not None:
             if absolute.is_symlink() and replace:
                 raise UserError(f"{what}: it is a symbolic link, and --overwrite would replace the "
                                 f"link, not what it points to; give the real path ({absolute.resolve()})")  # fmt: skip
             if folder and kind != "folder":
-                raise UserError(f"{what}: it is {kind}, not a folder; choose another path")
+                raise UserError(f"{what}: it is {kind}, not a folder; choose another {flag}")
             if not folder and kind == "folder":
-                raise UserError(f"{what}: it is a folder; give a file path inside it, or another path")
+                raise UserError(f"{what}: it is a folder; give a file path inside it, or another {flag}")
             if kind == "folder":
                 nearest = absolute
     assert nearest is not None  # "/" always exists
     if not os.access(nearest, os.W_OK | os.X_OK):
-        raise UserError(f"{what}: {nearest} is not writable; choose a writable path")
+        raise UserError(f"{what}: {nearest} is not writable; choose a writable {flag}")
     free = _free_bytes(nearest)
     if free is not None and free < MIN_FREE_BYTES:
         raise UserError(f"{what}: no space left on the device of {nearest} ({free} bytes free); "
-                        "free space or choose another path")  # fmt: skip
+                        f"free space, or choose another {flag}")  # fmt: skip
     return path
 
 
-def _kind(path: Path, what: str) -> str | None:
+def _kind(path: Path, what: str, flag: str) -> str | None:
     """'folder', 'a file' (or another kind of entry), or None when nothing is there; a link loop or a
     link to nothing is a UserError."""
     try:
@@ -65,14 +71,14 @@ def _kind(path: Path, what: str) -> str | None:
     except FileNotFoundError:
         if os.path.islink(path):
             raise UserError(f"{what}: {path} is a symbolic link to nothing ({os.readlink(path)}); "
-                            "remove it or give another path") from None  # fmt: skip
+                            f"remove it or choose another {flag}") from None  # fmt: skip
         return None
     except OSError as error:
         if error.errno == errno.ELOOP:
-            raise UserError(f"{what}: {path} is a symbolic link loop; remove it or give another path") from None
+            raise UserError(f"{what}: {path} is a symbolic link loop; remove it or choose another {flag}") from None
         if error.errno == errno.ENOTDIR:  # a file further up: reported there
             return None
-        raise UserError(f"{what}: cannot look at {path} ({error.strerror}); choose another path") from None
+        raise UserError(f"{what}: cannot look at {path} ({error.strerror}); choose another {flag}") from None
     if stat.S_ISDIR(mode):
         return "folder"
     return "a file" if stat.S_ISREG(mode) else "not a file or folder"
@@ -86,6 +92,25 @@ def _free_bytes(folder: Path) -> int | None:
     if info.f_blocks == 0:  # a pseudo file system that reports no sizes
         return None
     return info.f_bavail * info.f_frsize
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Libraries say "disk full" in their own words (torch.save: RuntimeError "unexpected pos", safetensors:
+    SafetensorError); in this block such an error, raised while the device of `path`'s folder is (nearly)
+    full, is the OSError(ENOSPC) it stands for, naming `path`, so that one handler (`disk_full`) answers
+    every write."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:  # a write to an open file names none
+            error.filename = str(path)
+        raise
+    except Exception as error:
+        free = _free_bytes(Path(path).parent)
+        if "No space left" in str(error) or (free is not None and free < MIN_FREE_BYTES):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
+        raise
 
 
 def disk_full(error: OSError, retry: str) -> UserError | None:

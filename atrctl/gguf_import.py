@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from atrctl.destinations import check_destination
+from atrctl.destinations import check_destination, writing
 from atrctl.errors import UserError, first_line
 
 CHECK_PROMPT = "What is 12 + 30? Answer:"
@@ -33,7 +33,7 @@ def import_gguf(file: Path, out: Path, overwrite: bool = False) -> dict:
     file, out = Path(file).expanduser(), Path(out).expanduser()
     if not file.is_file() or file.suffix.lower() != ".gguf":
         raise UserError(f"{file} is not a .gguf file: give the path of one")
-    check_destination(out, f"--out {out}", replace=overwrite)  # before the half minute of loading
+    check_destination(out, "--out", replace=overwrite)  # before the half minute of loading
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists: pass --overwrite to replace it, or choose another --out")
     if out.exists() and not (out / "config.json").is_file():  # --overwrite replaces a model, nothing else
@@ -62,8 +62,9 @@ def import_gguf(file: Path, out: Path, overwrite: bool = False) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out)
     with _sigterm_unwinds(), _staging(out) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        with writing(out):
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
         reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32, use_kernels=False).eval()
         with torch.no_grad():
             difference = (model(ids).logits - reloaded(ids).logits).abs().max().item()
