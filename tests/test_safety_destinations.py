@@ -305,6 +305,7 @@ def test_a_disk_that_fills_during_training_leaves_the_last_checkpoint_resumable(
 
     results = mount("16m")
     ensure_base(recipe(), results)
+    capsys.readouterr()  # transformers' own bar while the base was saved
     original, filler = RunDir.append_metrics, []
 
     def append_then_fill(self, record):
@@ -313,7 +314,7 @@ def test_a_disk_that_fills_during_training_leaves_the_last_checkpoint_resumable(
         original(self, record)
 
     monkeypatch.setattr(RunDir, "append_metrics", append_then_fill)
-    argv = train_argv(results, "filling", "--steps", "4", "--set", "run.checkpoint_every=2")
+    argv = train_argv(results, "filling", "--set", "run.steps=4", "--set", "run.checkpoint_every=2")
     refused(capsys, argv, f"free space, then continue with  atrctl train --resume {results / 'filling'}")
     run = RunDir(results / "filling")
     assert json.loads((run.checkpoint / "state.json").read_text())["step"] == 2 and not run.finished
@@ -330,7 +331,8 @@ def test_an_overwrite_that_fills_the_disk_puts_the_older_run_back(tmp_path, caps
 
     results = mount("16m")
     ensure_base(recipe(), results)
-    assert main(train_argv(results, "older", "--steps", "1")) == 0
+    capsys.readouterr()  # transformers' own bar while the base was saved
+    assert main(train_argv(results, "older", "--set", "run.steps=1")) == 0
     capsys.readouterr()
     older = tree(results / "older")
     original = RunDir.append_metrics
