@@ -125,7 +125,7 @@ def checked_figure_path(out: Path, fmt: str | None = None) -> Path:
         raise UserError(f"--out {out} does not end in .{fmt} as --format asks; make them agree")
     from atrctl.destinations import check_destination
 
-    check_destination(out, f"--out {out}", folder=False)
+    check_destination(out, "--out", folder=False)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
