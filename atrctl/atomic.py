@@ -28,9 +28,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield Path(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(error, OSError) and error.filename is None:  # a full disk names the file it did not write
+            error.filename = str(path)
         raise
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from atrctl import atomic
 from atrctl.config import Recipe
+from atrctl.destinations import writing
 from atrctl.errors import UserError
 from atrctl.models import CHAR_ALPHABET, PRESETS
 from atrctl.records import NUMBER, DamagedFile, read_json
@@ -122,8 +123,9 @@ def ensure_base(
 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        model.to("cpu").save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        with writing(target):  # a full disk is an OSError here whatever the library says
+            model.to("cpu").save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
         info = {
             "identity": base_identity(recipe),
             "accuracy": result.accuracy,

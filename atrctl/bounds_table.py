@@ -123,6 +123,9 @@ def checked_figure_path(out: Path, fmt: str | None = None) -> Path:
         raise UserError(f"--out {out}: unknown figure type '.{suffix}'; end it in one of {endings}")
     if fmt is not None and suffix != fmt:
         raise UserError(f"--out {out} does not end in .{fmt} as --format asks; make them agree")
+    from atrctl.destinations import check_destination
+
+    check_destination(out, "--out", folder=False)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:

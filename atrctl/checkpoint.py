@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from atrctl import atomic
+from atrctl.destinations import writing
 from atrctl.errors import UserError, first_line
 from atrctl.records import DamagedFile, read_json
 
@@ -96,9 +97,10 @@ def write_checkpoint(directory: Path, contents: tuple[dict[str, torch.Tensor], d
         shutil.rmtree(stale, ignore_errors=True)  # (safe: a run has one writer, `rundir.exclusive`)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        save_file(_untie(weights), staging / "model.safetensors")
-        torch.save(optimizer_state, staging / "optimizer.pt")
-        atomic.write_text(staging / "state.json", json.dumps(asdict(state)) + "\n")
+        with writing(directory):
+            save_file(_untie(weights), staging / "model.safetensors")
+            torch.save(optimizer_state, staging / "optimizer.pt")
+            atomic.write_text(staging / "state.json", json.dumps(asdict(state)) + "\n")
         os.chmod(staging, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary result
         if directory.exists():  # else a crash came between the two renames: the previous one is what there is
             shutil.rmtree(previous_checkpoint(directory), ignore_errors=True)

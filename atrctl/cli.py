@@ -8,8 +8,10 @@ them, so `atrctl --help` and `atrctl plot-bounds` start quickly.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import time
 from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
@@ -20,7 +22,8 @@ import typer
 from atrctl import __version__
 from atrctl.bounds_table import FIGURE_FORMATS
 from atrctl.config import AlgoConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig
-from atrctl.display import console, stderr
+from atrctl.destinations import check_destination, disk_full
+from atrctl.display import OutputLost, console, stderr
 from atrctl.divergence import region_defaults
 from atrctl.errors import UserError
 from atrctl.models import DEVICES
@@ -238,6 +241,7 @@ def warmup(
             f"model.base '{config.model.base}' is not a preset ({', '.join(PRESETS)}): "
             "real models are used as they are, without a warm-up"
         )
+    check_destination(results, "--results")
     with display.warmup_bar(config.warmup.max_steps) as on_progress:
         path, info = ensure_base(config, results, on_progress)
     console.print(
@@ -325,11 +329,12 @@ def train(
     validate_algo(config, nproc)
     main_rank = distributed.is_main()
     if main_rank:
-        run_dir.check_can_start(resume is not None, overwrite, config.run.steps)
+        run_dir.check_can_start(resume is not None, overwrite, config.run.steps)  # its destination checked too
     if nproc is not None and nproc > 1:
         raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
     # under torchrun only rank 0 shows and reports; the others train silently
     shown = display.training_bars(config.algo.loss, config.run.steps, config.warmup.max_steps)
+    started = time.time_ns()
     try:
         with shown if main_rank else nullcontext((None, None)) as (on_warmup, on_step):
             summary = run_training(
@@ -352,6 +357,13 @@ def train(
         else:
             stderr.print(f"interrupted: checkpoint saved; continue with  atrctl train --resume {run_dir.path}")
         raise typer.Exit(130) from None
+    except OSError as error:  # the disk filled up: the last checkpoint (or the run it was to replace) is kept
+        resumable = resume is not None or _checkpointed_since(run_dir, started)
+        retry = f"continue with  atrctl train --resume {run_dir.path}" if resumable else "rerun the same command"
+        full = disk_full(error, retry)
+        if full is None:
+            raise
+        raise full from None
     except TrainingStopped as error:
         if main_rank:
             stderr.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
@@ -363,6 +375,15 @@ def train(
         f"done: {run_dir.path}  held-out greedy {base['eval/greedy']:.1%} → {final['eval/greedy']:.1%}, "
         f"sampled pass@1 {base['eval/pass@1']:.1%} → {final['eval/pass@1']:.1%}"
     )
+
+
+def _checkpointed_since(run_dir, started_ns: int) -> bool:
+    """Whether this command wrote a checkpoint of the run (else an --overwrite put the older run back, or none
+    was reached: the same command starts it again)."""
+    from atrctl.checkpoint import find_checkpoint
+
+    found = find_checkpoint(run_dir.checkpoint)
+    return found is not None and (found / "state.json").stat().st_mtime_ns >= started_ns
 
 
 # --------------------------------------------------------------------- eval
@@ -443,6 +464,7 @@ def eval_command(
     keep = None if completions == "all" else int(completions)
     prompt = dict(chat_template=chat_template, system_prompt=system_prompt, instruction=instruction)
     spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out, **prompt)
+    check_destination(spec.directory, "--out")
     if has_evaluation(spec.directory) and not overwrite:
         raise UserError(
             f"{spec.directory} already holds an evaluation; pass --overwrite to replace it or --out elsewhere"
@@ -647,7 +669,7 @@ def export(
         raise UserError(f"{parsed.loss} takes no {', '.join(unused)}; its parameters: "
                         f"{', '.join(loss_parameters(parsed.loss))}")  # fmt: skip
     merged = {**flags, **dict(parsed.params)}  # the arm's own values win
-    print(snippet(parse_arm(arm_text(parsed.loss, list(merged.items()))), to), end="")
+    print(snippet(parse_arm(arm_text(parsed.loss, list(merged.items()))), to), end="", file=console.file)
 
 
 # --------------------------------------------------------------------- entry
@@ -658,12 +680,20 @@ def main(argv: list[str] | None = None) -> int:
     invocation = list(sys.argv[1:] if argv is None else argv)  # as typed, for reports and relaunches
     try:
         code = app(args=argv, prog_name="atrctl", standalone_mode=False, obj=invocation)
+    except OutputLost as lost:
+        return _output_lost(lost)
+    except OSError as error:  # a disk that filled up during the work (its checks passed before it began)
+        full = disk_full(error, "rerun the same command")
+        if full is None:
+            raise
+        return main_error(full)
     except UserError as error:
         from atrctl.distributed import is_main, rank
 
         if is_main() or not error.shared:  # under torchrun a shared refusal is said once
             where = "" if is_main() else f"[rank {rank()}] "
-            stderr.print(f"{where}error: {error}", markup=False, highlight=False, soft_wrap=True)
+            with contextlib.suppress(OutputLost):
+                stderr.print(f"{where}error: {error}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except typer.TyperException as error:  # typer's own parse errors (it vendors click)
         stderr.print(
@@ -674,6 +704,31 @@ def main(argv: list[str] | None = None) -> int:
         stderr.print("aborted", markup=False)
         return 130
     return code if isinstance(code, int) else 0
+
+
+def main_error(error: UserError) -> int:
+    """Say `error` in one line on stderr (unless stderr itself is gone); exit code 2."""
+    try:
+        stderr.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
+    except OutputLost:
+        pass
+    return 2
+
+
+def _output_lost(lost: OutputLost) -> int:
+    """stdout or stderr cannot be written: what is still buffered goes to /dev/null (else Python's exit would
+    report the same failure as a traceback), then one line on stderr, or nothing for a pipe whose reader has
+    gone (`atrctl ls | head -1`: the reader asked for no more), which ends like any Unix tool on SIGPIPE."""
+    import errno
+    import os
+
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # a stream without a file descriptor
+        os.dup2(os.open(os.devnull, os.O_WRONLY), getattr(sys, lost.stream).fileno())
+    if lost.error.errno == errno.EPIPE:
+        return 128 + 13  # SIGPIPE's status
+    if lost.stream == "stderr":
+        return 2
+    return main_error(UserError(f"{lost}: send it to a file or device with space"))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 from atrctl import atomic
 from atrctl.arms import Arm, arm_recipe, check_distinct, parse_arms
 from atrctl.config import Recipe, recipe_to_dict, to_toml
+from atrctl.destinations import check_destination
 from atrctl.errors import UserError
 from atrctl.records import DamagedFile, read_json
 from atrctl.rundir import OWNER_VARIABLE, RunDir, check_name, drop_aside, exclusive, move_aside, recover
@@ -189,8 +190,7 @@ def check_claim(comparison: Comparison, overwrite: bool) -> bool:
     work, `prepare` again under the lock."""
     directory = comparison.directory
     marker = directory / f"{comparison.kind}.json"
-    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
-        raise UserError(f"{directory} is not a directory; pick another --name")
+    check_destination(directory, "--name or --results", replace=overwrite, what=f"{comparison.kind} folder {directory}")
     if not directory.exists() or not any(directory.iterdir()):
         return False
     if not (marker.exists() or marker.is_symlink()):

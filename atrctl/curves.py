@@ -8,6 +8,8 @@ to the highest seed, a run on its own as one line.  Curves are smoothed by a tra
 from __future__ import annotations
 
 import difflib
+import errno
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +28,25 @@ TITLES = {
     "clip/high": "clip/high: w>u, A>0",
 }
 SEED_SUFFIX = re.compile(r"-s\d+$")
+MAX_STEP = 2**53
+"""Larger steps are not a run's (and lose their value as floats): such records are not drawn."""
+
+
+def points(records: Sequence[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of each record whose step is an integer in [0, MAX_STEP] and whose `key` is a finite
+    number: what a curve can draw; anything else a hand-edited or foreign metrics.jsonl holds (a string, a
+    list, a 400-digit step, NaN) is left out rather than failing the whole plot."""
+    drawn = []
+    for record in records:
+        step, value = record.get("step"), record.get(key)
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, int) and abs(value) > MAX_STEP or not math.isfinite(value):
+            continue
+        drawn.append((step, float(value)))
+    return drawn
 
 
 def run_groups(paths: Sequence[str | Path]) -> dict[str, list[Path]]:
@@ -36,6 +57,11 @@ def run_groups(paths: Sequence[str | Path]) -> dict[str, list[Path]]:
     seen: set[Path] = set()
     for given in paths:
         path = Path(given)
+        try:
+            path.stat()
+        except OSError as error:  # a symbolic link loop, a file in the way, ...: not something to read
+            if error.errno != errno.ENOENT:
+                raise UserError(f"{path} cannot be read ({error.strerror}): give run or compare directories") from None
         if path.resolve() in seen:
             raise UserError(f"{path} is given twice: give each run or comparison once")
         seen.add(path.resolve())
@@ -68,11 +94,13 @@ def check_metrics(groups: dict[str, list[Path]], metrics: Sequence[str] | None) 
     logged: set[str] = set()
     for directories in groups.values():
         for directory in directories:
-            for record in RunDir(directory).read_metrics():
-                logged.update(record)
+            records = RunDir(directory).read_metrics()
+            logged.update(key for record in records for key in record if key not in logged and points([record], key))
     logged.discard("step")
     if not logged:
-        raise UserError(f"{', '.join(groups)}: no run has logged a step yet; plot runs once they have")
+        raise UserError(
+            f"{', '.join(groups)}: no run has logged a step yet (a number to draw); plot them once they have"
+        )
     if metrics is None:
         return [metric for metric in DEFAULT_METRICS if metric in logged] or ["reward/mean"]
     for metric in metrics:
@@ -114,7 +142,7 @@ def _smoothed(directories: Sequence[Path], key: str, smooth: int):
     up on the steps every one of them has; (None, None) when some run never logged it."""
     series = []
     for directory in directories:
-        logged = np.array([(r["step"], r[key]) for r in RunDir(directory).read_metrics() if key in r], dtype=float)
+        logged = np.array(points(RunDir(directory).read_metrics(), key), dtype=float)
         if not len(logged):
             return None, None
         window = max(1, min(smooth, len(logged)))

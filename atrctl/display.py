@@ -5,6 +5,7 @@ Heavy libraries stay out: this module is imported by `atrctl --help`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -18,8 +19,42 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get whole tables
-stderr = Console(stderr=True)
+
+class OutputLost(Exception):
+    """Standard output or error could not be written: a full device (`> /dev/full`) or a pipe whose reader
+    has gone (`| head -1`).  `atrctl.cli.main` ends on it with one line, or quietly for a closed pipe."""
+
+    def __init__(self, stream: str, error: OSError):
+        name = {"stdout": "standard output", "stderr": "standard error"}[stream]
+        super().__init__(f"cannot write to {name} ({error.strerror or error})")
+        self.stream, self.error = stream, error
+
+
+class _Guarded:
+    """sys.stdout or sys.stderr as they are now (tests swap them), with a failed write raised as `OutputLost`,
+    so that it is told apart from a results file that cannot be written."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute: str):
+        return getattr(getattr(sys, self._name), attribute)
+
+    def write(self, text: str) -> int:
+        try:
+            return getattr(sys, self._name).write(text)
+        except OSError as error:
+            raise OutputLost(self._name, error) from None
+
+    def flush(self) -> None:
+        try:
+            getattr(sys, self._name).flush()
+        except OSError as error:
+            raise OutputLost(self._name, error) from None
+
+
+console = Console(file=_Guarded("stdout"), width=None if sys.stdout.isatty() else 160)  # logs, pipes: whole tables
+stderr = Console(file=_Guarded("stderr"), stderr=True)
 
 
 def quiet_libraries() -> None:
@@ -217,7 +252,13 @@ class PlainProgress:
         since, done_then = bar["first"] or (now, done)
         if total and done < total and done > done_then and now > since:  # the rate since the first update
             parts.append(f"ETA {_clock((now - since) * (total - done) / (done - done_then))}")
-        print("  ".join(parts), file=self.file, flush=True)
+        try:
+            print("  ".join(parts), file=self.file, flush=True)
+        except OutputLost as lost:  # the work goes on without its progress lines: they are not its results
+            self.disable = True
+            with contextlib.suppress(OutputLost):
+                stderr.print(f"note: {lost}: progress is no longer shown; the work goes on and writes its results",
+                             markup=False, highlight=False, soft_wrap=True)  # fmt: skip
         bar["last"], bar["written"] = now, (bar["completed"], dict(bar["fields"]))
 
 

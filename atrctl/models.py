@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import string
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -119,9 +121,16 @@ def load_model(
         source = _local_or_hub(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
-            model, loading = AutoModelForCausalLM.from_pretrained(
-                source, dtype=torch_dtype, output_loading_info=True, use_kernels=False
-            )
+            with warnings.catch_warnings():  # torch's note on a pickle's protocol, before refusing it anyway
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                model, loading = AutoModelForCausalLM.from_pretrained(
+                    source, dtype=torch_dtype, output_loading_info=True, use_kernels=False
+                )
+        except pickle.UnpicklingError:  # torch.load(weights_only=True) met more than tensors: never run it
+            raise UserError(
+                f"model '{name_or_path}': {_pickled_weights(source)} holds more than weights (code a pickle would run) "
+                "and was refused unread; use a model saved as safetensors, or one you trust"
+            ) from None
         except (OSError, ValueError, SafetensorError) as err:
             raise UserError(
                 f"model '{name_or_path}' could not be loaded ({first_line(err)}): give a preset "
@@ -134,6 +143,12 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device=torch_device, dtype=torch_dtype).eval(), tokenizer
+
+
+def _pickled_weights(source: str) -> str:
+    """The pickled weight files of a model directory, by name (what the refusal names)."""
+    found = sorted(str(p) for p in Path(source).glob("*.bin")) if Path(source).is_dir() else []
+    return ", ".join(found) or f"a pickled weight file of {source}"
 
 
 def _report_loading(name: str, loading: dict, strict: bool) -> None:

@@ -10,13 +10,17 @@ Weights & Biases: the run's id is kept in <run>/wandb/id, so a resumed run (or a
 continues the same W&B run; the x axis of every chart is atrctl's own `step` (records logged again
 after a resume land on the steps they belong to).  A run in a comparison or sweep
 (<comparison>/runs/<arm>-s<seed>) is grouped under the comparison's name.  WANDB_PROJECT (default
-"atrctl"), WANDB_ENTITY and WANDB_MODE (e.g. offline) are W&B's own settings.
+"atrctl"), WANDB_ENTITY and WANDB_MODE (e.g. offline) are W&B's own settings.  Everything W&B writes stays in
+<run>/wandb/: its service's logs (WANDB_CACHE_DIR) and the staging copies of logged tables (WANDB_DATA_DIR)
+too, which would otherwise pile up in ~/.cache/wandb and ~/.local/share/wandb; an offline run keeps its
+copies there for `wandb sync`, an online one has them removed once uploaded.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -172,6 +176,17 @@ class Wandb:
         import wandb
 
         run_path = Path(run_path)
+        self.directories = wandb_directories(run_path)
+        self.previous = {name: os.environ.get(name) for name in self.directories}
+        os.environ.update({name: str(path) for name, path in self.directories.items()})  # read by W&B as it runs
+        try:
+            self._start(wandb, run_path, recipe)
+        except BaseException:
+            self._restore()
+            raise
+        self.step = resumed_at or 0
+
+    def _start(self, wandb, run_path: Path, recipe: dict) -> None:
         run_id = kept_run_id(run_path)
         if run_id is None:
             from atrctl import atomic
@@ -191,7 +206,6 @@ class Wandb:
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")  # the charts' x axis: atrctl's step
-        self.step = resumed_at or 0
 
     def log(self, record: dict) -> None:
         # W&B's own step too, so that sessions line up when a resumed run is synced; steps logged again after
@@ -214,7 +228,31 @@ class Wandb:
         self.run.summary.update(summary)
 
     def close(self, failed: bool = False) -> None:
-        self.run.finish(exit_code=1 if failed else 0)
+        """Finish the W&B run and stop W&B's service (it logs to the run's cache folder while it lives)."""
+        import wandb
+
+        try:
+            offline = self.run.offline
+            self.run.finish(exit_code=1 if failed else 0)
+            wandb.teardown()
+            if not offline:  # uploaded: the staging copies are of no further use
+                shutil.rmtree(self.directories["WANDB_DATA_DIR"] / "artifacts" / "staging", ignore_errors=True)
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        for name, value in self.previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def wandb_directories(run_path: Path) -> dict[str, Path]:
+    """The folders W&B writes besides its run (--dir), as the variables that name them, all in <run>/wandb/;
+    one the user set explicitly is kept."""
+    chosen = {"WANDB_CACHE_DIR": run_path / "wandb" / "cache", "WANDB_DATA_DIR": run_path / "wandb" / "data"}
+    return {name: Path(os.environ.get(name) or path).absolute() for name, path in chosen.items()}
 
 
 REPORTERS = {"tensorboard": TensorBoard, "wandb": Wandb}

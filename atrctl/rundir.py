@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from atrctl import __version__, atomic
+from atrctl.destinations import check_destination
 from atrctl.errors import UserError
 from atrctl.records import read_json
 
@@ -88,8 +89,7 @@ class RunDir:
         if aside(self.path).exists() or _sibling(self.path, "dropping").exists():
             with exclusive(self.path):
                 self.recover()
-        if self.path.is_symlink() or (self.path.exists() and not self.path.is_dir()):
-            raise UserError(f"{self.path} is not a directory, so no run can live there; pick another --name")
+        check_destination(self.path, "--name or --results", replace=overwrite, what=f"run directory {self.path}")
         owner = comparison_of(self.path)
         if owner is not None and not resume and os.environ.get(OWNER_VARIABLE) != str(owner.resolve()):
             raise UserError(
@@ -179,7 +179,9 @@ class RunDir:
             return sum(1 for _ in handle)
 
     def append_metrics(self, record: dict) -> None:
-        with open(self.metrics, "a", encoding="utf-8") as handle:
+        from atrctl.destinations import writing
+
+        with writing(self.metrics), open(self.metrics, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
         drop_aside(self.path)  # the new run has started: the one it replaced can go
 
@@ -215,11 +217,18 @@ class RunDir:
         """The final model in Hugging Face format (`write_model(directory)` writes it, e.g. a model's
         save_pretrained) and the final summary: the model is staged, the summary written, and only then is the
         model renamed into place, so model/ marks a finished run."""
+        from atrctl.destinations import writing
+
         staging = self.path / ".model.tmp"
         shutil.rmtree(staging, ignore_errors=True)
-        write_model(staging)
-        tokenizer.save_pretrained(staging)
-        self.write_summary(summary)
+        try:
+            with writing(self.model):
+                write_model(staging)
+                tokenizer.save_pretrained(staging)
+            self.write_summary(summary)
+        except BaseException:  # a full disk: the space goes back, the checkpoint stays the resume point
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         shutil.rmtree(self.model, ignore_errors=True)
         staging.rename(self.model)
 

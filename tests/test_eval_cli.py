@@ -150,4 +150,4 @@ def test_an_unwritable_output_folder_is_one_line(run_dir, tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["eval", str(run_dir), *FAST, "--out", str(tmp_path / "file" / "eval")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: cannot write to") and "\n" not in err
+    assert err.startswith("error: --out") and "is a file, not a folder" in err and "\n" not in err

@@ -84,10 +84,15 @@ def test_a_name_that_is_a_file_or_a_link_is_refused(workspace, capsys, command):
     (results / "compare-linked").symlink_to(results / "notes")
     before = tree(workspace)
     arms = ["grpo", "atr"] if command == "compare" else []
-    for name in ("taken", "linked"):
-        for overwrite in ([], ["--overwrite"]):
-            argv = [command, *arms, "--name", name, *overwrite, "--steps", "1", "--results", "results", *SETS]
-            refused(capsys, argv, "is not a directory")
+    cases = [
+        ("taken", [], "it is a file, not a folder"),
+        ("taken", ["--overwrite"], "it is a file, not a folder"),
+        ("linked", [], "already exists"),
+        ("linked", ["--overwrite"], "--overwrite would replace the link"),
+    ]
+    for name, overwrite, fragment in cases:
+        argv = [command, *arms, "--name", name, *overwrite, "--steps", "1", "--results", "results", *SETS]
+        refused(capsys, argv, fragment)
     assert tree(workspace) == before
 
 
