@@ -38,7 +38,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25, help="operators to list")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--by-shape", action="store_true", help="matrix products by shape, with GFLOP/s")
-    args = parse_with_smoke(parser, steps=1, rows=5)
+    args = parse_with_smoke(
+        parser,
+        steps=1,
+        rows=5,
+        set=["rollout.prompts=4", "rollout.group_size=2", "rollout.max_new_tokens=4", "algo.minibatches=1"],
+    )
     set_cpu_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)

@@ -39,7 +39,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     sys.path[:0] = [str(ROOT / "benchmarks")]
-    from common import real_vocabulary_shape, rss_mib
+    from common import rss_mib, shape_model
 
     from atrctl import distributed
     from atrctl.adapters import add_adapters, lora_settings, trained_parameters
@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(max(1, 2 // distributed.world_size()))
     with distributed.process_group(torch.device("cpu")):
-        model = real_vocabulary_shape(args.shape).train()
+        model = shape_model(args.shape).train()
         frozen = []
         if args.config == "fsdp2":
             frozen = list(full_copy(model).parameters())  # what GatheredSampler samples
@@ -101,7 +101,7 @@ def measure(args: argparse.Namespace, config: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="qwen2.5-0.5b")
+    parser.add_argument("--shape", default="qwen2.5-0.5b", help="a real model's shape, or a preset")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--completion", type=int, default=128)
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--live", action="store_true", help="return freed heap blocks: RSS = tensors alive")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)
-    args = parse_with_smoke(parser, shape="smollm2-135m", rows=1, prompt=8, completion=8, configs=["full", "lora"])
+    args = parse_with_smoke(parser, shape="tiny", rows=1, prompt=8, completion=8, configs=["full", "lora"])
     if args.worker:
         results = worker(args)
         if int(os.environ.get("RANK", "0")) == 0:

@@ -104,7 +104,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", action="append", default=[], help="recipe override for both arms, section.key=value")
-    args = parse_with_smoke(parser, presets=["tiny"], steps=1, warmup=0)
+    args = parse_with_smoke(
+        parser,
+        presets=["tiny"],
+        steps=1,
+        warmup=0,
+        set=["rollout.prompts=4", "rollout.group_size=2", "rollout.max_new_tokens=4", "algo.minibatches=1"],
+    )
     set_cpu_threads(args.threads)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch = default recipe "
