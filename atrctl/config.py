@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from atrctl import numbers
 from atrctl.errors import UserError
 
 if sys.version_info >= (3, 11):
@@ -273,7 +274,6 @@ _POSITIVE = {
     ("warmup", "eval_problems"),
     ("rollout", "prompts"),
     ("rollout", "max_new_tokens"),
-    ("rollout", "temperature"),
     ("algo", "num_iterations"),
     ("algo", "minibatches"),
     ("optim", "lr"),
@@ -281,7 +281,6 @@ _POSITIVE = {
     ("eval", "every"),
     ("eval", "problems"),
     ("eval", "samples"),
-    ("eval", "temperature"),
     ("run", "steps"),
     ("run", "checkpoint_every"),
     ("run", "max_bad_steps"),
@@ -294,7 +293,8 @@ _NON_NEGATIVE = {
     ("eval", "batch"),
     ("rollout", "sample_batch"),
 }
-_FRACTIONS = {("warmup", "target_accuracy"), ("rollout", "top_p")}
+_FRACTIONS = {("warmup", "target_accuracy")}
+_SAMPLING = {"temperature": numbers.temperature, "top_p": numbers.top_p}  # rollout.* and eval.*
 
 
 def _closest(key: str, valid: typing.Iterable[str], prefix: str = "") -> str:
@@ -333,17 +333,14 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-SEED_LIMIT = 2**63  # seeds feed torch generators (64-bit) through formulas that stay below 2^64 for these
-
-
 def _check_value(section: str, key: str, value: Any) -> None:
     where = f"{section}.{key}"
-    if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"{where} must be a finite number, got {value}")
-    if key == "seed" and not 0 <= value < SEED_LIMIT:
-        raise UserError(f"{where} must be an integer from 0 to 2^63 - 1, got {value}")
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= SEED_LIMIT:
-        raise UserError(f"{where} = {value} is out of range: use a value below 2^63")
+    if key == "seed":
+        numbers.seed(value, where)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        numbers.number(value, where)
+    if key in _SAMPLING:
+        _SAMPLING[key](value, where)
     if (section, key) in _CHOICES and value not in (choices := _CHOICES[section, key]()):
         raise UserError(f"{where} = {value!r} is not one of {', '.join(choices)}")
     if (section, key) in _POSITIVE and not (value > 0 and math.isfinite(value)):
@@ -388,9 +385,24 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
             raise UserError(f"'{section}' must be a table ([{section}]), got {type(values).__name__}")
         sections[section] = _build_section(section, hints[section], values)
     recipe = Recipe(**sections)
+    _check_loss_args(recipe.algo)
     if recipe.task.system_prompt and not recipe.task.chat_template:
         raise UserError("task.system_prompt needs the chat template: set task.chat_template = true")
     return recipe
+
+
+def _check_loss_args(algo: AlgoConfig) -> None:
+    """Each of algo.args a number, or a word where the loss's default is one: the loss itself would pass a
+    string through `float()` and train on it.  Names the loss does not take are left to `train.validate_algo`,
+    which lists the ones it does."""
+    if not algo.args:
+        return
+    from atrctl.losses import POLICY_LOSSES, loss_parameters
+
+    defaults = loss_parameters(algo.loss) if algo.loss in POLICY_LOSSES else {}
+    for key, value in algo.args.items():
+        if key in defaults:
+            numbers.loss_value(value, defaults[key], f"algo.args.{key}")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

@@ -1,0 +1,135 @@
+"""Numbers at the edges and checks that used to come late: each is refused in one line, exit code 2, before a
+byte is written or a base warmed up (issue 48, classes 9 and 10)."""
+
+import pytest
+from test_safety import refused, tree, workspace  # noqa: F401 - workspace is a fixture
+
+from atrctl import numbers
+from atrctl.config import load_recipe
+from atrctl.errors import UserError
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+TRAIN = ["train", "--name", "fresh", "--steps", "1", "--device", "cpu"]
+COMPARE = ["compare", "--seeds", "1", "--steps", "1", "--n", "2", "--problems", "2", "--set", "model.device=cpu"]
+
+
+def refused_untouched(workspace, capsys, argv, fragment):  # noqa: F811
+    before = tree(workspace)
+    refused(capsys, argv, fragment)
+    assert tree(workspace) == before
+
+
+# ------------------------------------------------------------ sampling numbers
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--temperature", "1e-45"], "--temperature must be at least 0.001"),
+        (["--temperature", "0.0009"], "--temperature must be at least 0.001"),
+        (["--temperature", "nan"], "--temperature must be a finite number"),
+        (["--top-p", "1e-320"], "--top-p must be in [1.18e-38, 1]"),
+        (["--top-p", "1.5"], "--top-p must be in"),
+        (["--seed", "-1"], "--seed must be an integer from 0 to 2^63 - 1"),
+        (["--seed", str(2**64)], "--seed must be an integer from 0 to 2^63 - 1"),
+        (["--seed", str(2**63)], "--seed must be an integer from 0 to 2^63 - 1"),
+    ],
+)
+def test_eval_refuses_sampling_numbers_that_break_the_sampler(workspace, capsys, argv, fragment):  # noqa: F811
+    refused_untouched(workspace, capsys, ["eval", "results/good", "--device", "cpu", *argv], fragment)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("eval.temperature=1e-45", "eval.temperature must be at least 0.001"),
+        ("rollout.temperature=1e-45", "rollout.temperature must be at least 0.001"),
+        ("rollout.top_p=1e-320", "rollout.top_p must be in [1.18e-38, 1]"),
+        ("rollout.top_p=0", "rollout.top_p must be in"),
+        ("eval.seed=18446744073709551616", "eval.seed must be an integer from 0 to 2^63 - 1"),
+        ("run.seed=-1", "run.seed must be an integer from 0 to 2^63 - 1"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_recipe_sampling_numbers_are_refused_before_anything(workspace, capsys, override, fragment, command):  # noqa: F811
+    argv = [*TRAIN] if command == "train" else [*COMPARE, "grpo", "atr"]
+    refused_untouched(workspace, capsys, [*argv, "--set", override], fragment)
+
+
+def test_the_floors_themselves_are_accepted():
+    recipe = load_recipe(None, ["rollout.temperature=0.001", f"rollout.top_p={numbers.MIN_TOP_P!r}", "eval.seed=0"])
+    assert recipe.rollout.temperature == numbers.MIN_TEMPERATURE and recipe.rollout.top_p == numbers.MIN_TOP_P
+    assert numbers.seed(2**63 - 1, "--seed") == 2**63 - 1
+
+
+# ------------------------------------------------------- loss parameters: numbers only
+
+
+STRINGS = ['"0.05"', '"０.２"', '"٠.١"', "０.２", "٠.١", '"1_0"', "true"]
+
+
+@pytest.mark.parametrize("value", STRINGS)
+def test_a_loss_parameter_that_is_a_string_is_refused_in_a_recipe(workspace, capsys, value):  # noqa: F811
+    refused_untouched(workspace, capsys, [*TRAIN, "--set", f"algo.args.max_kl3={value}"], "must be a number, got")
+
+
+@pytest.mark.parametrize("value", STRINGS)
+def test_a_loss_parameter_that_is_a_string_is_refused_in_an_arm(workspace, capsys, value):  # noqa: F811
+    refused_untouched(workspace, capsys, [*COMPARE, "grpo", f"atr:max_kl3={value}"], "max_kl3 must be a number")
+
+
+def test_the_string_and_the_number_are_not_two_arms(workspace, capsys):  # noqa: F811
+    refused_untouched(workspace, capsys, [*COMPARE, 'atr:max_kl3="0.10"', "atr:max_kl3=0.1"], "must be a number")
+
+
+@pytest.mark.parametrize(
+    ("arm", "fragment"),
+    [
+        ('atr:max_kl3="0.05"', "max_kl3 must be a number, got the string '0.05'"),
+        ('dapo:eps_high="1_0"', "eps_high must be a number, got the string '1_0'"),
+        ("atr:max_kl3=０.２", "max_kl3 must be a number"),
+        ("divergence:measure=1", "measure must be a word"),
+        ("atr:algo.num_iterations=2", "not recipe keys (algo.num_iterations)"),
+        ("grpo:eps=0.1,optim.lr=1e-3", "not recipe keys (optim.lr)"),
+        ("atr:max_kl3=1e-16", "max_kl3 must be at least 1e-14"),
+        ("atr:max_kl3=1e-300", "max_kl3 must be at least 1e-14"),
+        ("grpo:eps=1e-320", "cannot tell from 1"),
+        ("divergence:measure=ratio,delta=1e-17", "cannot tell from 1"),
+    ],
+)
+@pytest.mark.parametrize("to", ["trl", "verl"])
+def test_export_refuses_what_it_would_drop_or_print_as_nan(capsys, arm, fragment, to):
+    refused(capsys, ["export", arm, "--to", to], fragment)
+
+
+@pytest.mark.parametrize("to", ["trl", "verl"])
+def test_export_never_prints_an_infinite_or_nan_bound(capsys, to):
+    from atrctl.cli import main
+
+    for arm in ("divergence:measure=kl1", "reverse-kl3:delta=2", "atr:max_kl3=1e-14", "atr"):
+        assert main(["export", arm, "--to", to]) == 0
+        out = capsys.readouterr().out
+        assert "inf" not in out.replace("info", "") and "nan" not in out, out
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("algo.args.max_kl3=1e-16", "max_kl3 must be at least 1e-14"),
+        ("algo.args.max_kl3=1e-17", "max_kl3 must be at least 1e-14"),
+    ],
+)
+def test_a_trust_region_too_small_to_clip_is_refused_before_training(workspace, capsys, override, fragment):  # noqa: F811
+    refused_untouched(workspace, capsys, [*TRAIN, "--set", override], fragment)
+
+
+def test_max_kl3_flag_too_small_is_refused_in_compare(workspace, capsys):  # noqa: F811
+    refused_untouched(workspace, capsys, [*COMPARE, "grpo", "atr", "--max-kl3", "1e-16"], "at least 1e-14")
+
+
+def test_numbers_refuses_strings_booleans_and_non_finite_values():
+    for value in ("0.1", True, float("nan"), float("inf"), [0.1], None):
+        with pytest.raises(UserError, match="must be a"):
+            numbers.number(value, "x")
+    assert numbers.number(3, "x") == 3 and numbers.number(0.5, "x") == 0.5
