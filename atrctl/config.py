@@ -361,6 +361,33 @@ def _check_value(section: str, key: str, value: Any) -> None:
         raise UserError(f"{where} must be at least 2 (a group of one has no baseline), got {value}")
 
 
+MAX_NESTING = 16
+"""Most levels of lists and tables inside one another a recipe value may have: real ones have 2 (lora's
+target_modules); past a few hundred, parsing and copying a value exhaust Python's recursion."""
+
+
+def _nesting(value: Any) -> int:
+    """Levels of lists and tables in `value`, counted level by level (no recursion, whatever the depth)."""
+    depth, level = 0, [value]
+    while any(isinstance(item, list | dict) for item in level):
+        depth += 1
+        level = [child for item in level if isinstance(item, list | dict)
+                 for child in (item.values() if isinstance(item, dict) else item)]  # fmt: skip
+    return depth
+
+
+def _too_deep(what: str) -> UserError:
+    return UserError(f"{what} nests lists or tables too deeply: at most {MAX_NESTING} levels")
+
+
+def _loads(text: str, what: str) -> dict[str, Any]:
+    """tomllib.loads, whose parser recurses once per level: a value nested a few hundred deep is refused."""
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise _too_deep(what) from None
+
+
 def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -368,6 +395,8 @@ def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     for key, value in values.items():
         if key not in names:
             raise UserError(f"unknown key '{section}.{key}'{_closest(key, names, section + '.')}")
+        if _nesting(value) > MAX_NESTING:
+            raise _too_deep(f"{section}.{key}")
         value = _coerce(value, hints[key], f"{section}.{key}")
         _check_value(section, key, value)
         kwargs[key] = value
@@ -448,7 +477,7 @@ def parse_override(assignment: str) -> tuple[list[str], Any]:
 def read_value(raw: str) -> Any:
     """A value as TOML reads it (0.1, 2, true, "x"); a bare word such as cosine or cuda stays a string."""
     try:
-        return tomllib.loads(f"v = {raw.strip()}")["v"]
+        return _loads(f"v = {raw.strip()}", f"the value {raw.strip()[:20]}…")["v"]
     except tomllib.TOMLDecodeError:
         return raw.strip()
 
@@ -470,7 +499,7 @@ def load_recipe(path: str | Path | None = None, overrides: typing.Sequence[str] 
         if not path.is_file():
             raise UserError(f"recipe {path} does not exist; pass a TOML file such as recipes/default.toml")
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            data = _loads(path.read_text(encoding="utf-8"), f"recipe {path}")
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
             raise UserError(f"recipe {path} is not valid TOML: {error}") from None
     for assignment in overrides:

@@ -133,3 +133,37 @@ def test_numbers_refuses_strings_booleans_and_non_finite_values():
         with pytest.raises(UserError, match="must be a"):
             numbers.number(value, "x")
     assert numbers.number(3, "x") == 3 and numbers.number(0.5, "x") == 0.5
+
+
+# ------------------------------------------------------------------ nesting depth
+
+
+DEEP_LIST = "[" * 3000 + "]" * 3000
+DEEP_TABLE = "{a=" * 3000 + "1" + "}" * 3000
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*TRAIN, "--set", f"task.args.x={DEEP_LIST}"],
+        [*TRAIN, "--set", f"task.args.x={DEEP_TABLE}"],
+        [*TRAIN, "--set", "task.args.x=" + "[" * 100 + "]" * 100],
+        [*TRAIN, "--set", "task.args" + ".a" * 3000 + "=1"],
+        [*COMPARE, "grpo", f"atr:optim.lr={DEEP_LIST}"],
+        ["eval", "results/good", "--task-arg", f"x={DEEP_LIST}"],
+    ],
+)
+def test_a_value_nested_thousands_deep_is_one_line(workspace, capsys, argv):  # noqa: F811
+    refused_untouched(workspace, capsys, argv, "nests lists or tables too deeply")
+
+
+def test_a_recipe_file_nested_thousands_deep_is_one_line(workspace, capsys):  # noqa: F811
+    (workspace / "deep.toml").write_text(f"[task]\nargs = {{x = {DEEP_LIST}}}\n")
+    refused_untouched(workspace, capsys, [*TRAIN, "--recipe", str(workspace / "deep.toml")], "too deeply")
+
+
+def test_lists_and_tables_of_ordinary_depth_are_accepted():
+    recipe = load_recipe(
+        None, ['model.lora={r = 4, target_modules = ["q_proj"]}', "task.args.x=" + "[" * 15 + "]" * 15]
+    )
+    assert recipe.model.lora["r"] == 4
