@@ -167,3 +167,82 @@ def test_lists_and_tables_of_ordinary_depth_are_accepted():
         None, ['model.lora={r = 4, target_modules = ["q_proj"]}', "task.args.x=" + "[" * 15 + "]" * 15]
     )
     assert recipe.model.lora["r"] == 4
+
+
+# ------------------------------------------------------- sizes that cannot fit
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("rollout.group_size=100000000", "lower rollout.group_size or rollout.prompts"),
+        ("rollout.prompts=1000000000000", "lower rollout.group_size or rollout.prompts"),
+        ("eval.samples=100000000", "lower eval.samples or eval.problems"),
+        ("eval.problems=100000000000", "lower eval.samples or eval.problems"),
+        ("model.lora={r=100000000}", "model.lora.r = 100000000 is above the model's width (64)"),
+        ("model.lora={r=65}", "is above the model's width (64)"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_sizes_that_cannot_fit_are_refused_before_any_work(workspace, capsys, override, fragment, command):  # noqa: F811
+    argv = [*TRAIN] if command == "train" else [*COMPARE, "grpo", "atr"]
+    refused_untouched(workspace, capsys, [*argv, "--set", override], fragment)
+    assert not (workspace / "outer" / "cwd" / "results" / "bases").exists()
+
+
+@pytest.mark.parametrize("threads", ["1000000000", "abc", "0", "-1", "２", "1.5", str(2**70)])
+@pytest.mark.parametrize("command", ["train", "compare", "warmup"])
+def test_atrctl_threads_is_checked_by_the_command_before_it_writes(workspace, capsys, monkeypatch, threads, command):  # noqa: F811
+    monkeypatch.setenv("ATRCTL_THREADS", threads)
+    argv = {"train": TRAIN, "compare": [*COMPARE, "grpo", "atr"], "warmup": ["warmup", "--set", "model.device=cpu"]}
+    refused_untouched(workspace, capsys, argv[command], "ATRCTL_THREADS")
+
+
+def test_atrctl_threads_within_the_cpus_is_taken(monkeypatch):
+    from atrctl.models import requested_threads, usable_cpus
+
+    monkeypatch.setenv("ATRCTL_THREADS", str(usable_cpus()))
+    assert requested_threads() == usable_cpus()
+    monkeypatch.delenv("ATRCTL_THREADS")
+    assert requested_threads() is None
+
+
+# ------------------------------------------------------ checks before a warm-up
+
+
+LONG = "x" * 600
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [f'task.instruction="{LONG}"'],
+        ["rollout.max_new_tokens=600"],
+        ["rollout.max_new_tokens=500", "task.args.digits=9"],
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_prompt_past_the_presets_positions_is_refused_before_its_warm_up(workspace, capsys, overrides, command):  # noqa: F811
+    argv = [*TRAIN] if command == "train" else [*COMPARE, "grpo", "atr"]
+    sets = [part for override in overrides for part in ("--set", override)]
+    refused_untouched(workspace, capsys, [*argv, *sets], "exceeds the model's 512 positions")
+    assert not (workspace / "outer" / "cwd" / "results" / "bases").exists()
+
+
+@pytest.mark.parametrize("edit", [("warmup", "seed", 7), ("warmup", "max_steps", 61), ("task", "instruction", "")])
+def test_a_resume_whose_warm_up_key_changed_is_refused_before_a_base_is_warmed(workspace, capsys, edit):  # noqa: F811
+    import dataclasses
+    import json
+
+    from atrctl.checkpoint import TrainState
+    from atrctl.config import recipe_to_dict, to_toml
+
+    recorded = recipe_to_dict(load_recipe(None, ["model.device=cpu", "warmup.max_steps=60"]))
+    run = workspace / "outer" / "cwd" / "results" / "old"
+    (run / "checkpoint").mkdir(parents=True)
+    state = TrainState(step=1, recipe=recorded)
+    (run / "checkpoint" / "state.json").write_text(json.dumps(dataclasses.asdict(state)))
+    section, key, value = edit
+    (run / "config.toml").write_text(to_toml({**recorded, section: {**recorded[section], key: value}}))
+    refused_untouched(workspace, capsys, ["train", "--resume", "results/old"], f"{section}.{key}:")
+    assert not (workspace / "outer" / "cwd" / "results" / "bases").exists()
