@@ -55,10 +55,13 @@ class Arm:
 
 
 def format_value(value: Any) -> str:
-    """A parameter value as the label shows it: TOML's spelling (0.1, 2, true, cosine)."""
+    """A parameter value as the label shows it: TOML's spelling (0.1, 2, true, cosine), a word bare where it reads
+    back as itself and quoted where it would not: the string "0.05" stays a string, not the number 0.05."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value) if isinstance(value, int | float) else str(value)
+    if isinstance(value, int | float):
+        return repr(value)
+    return str(value) if read_value(str(value)) == value else json.dumps(value)
 
 
 def arm_text(loss: str, settings: Sequence[tuple[str, Any]]) -> str:

@@ -246,3 +246,16 @@ def test_a_resume_whose_warm_up_key_changed_is_refused_before_a_base_is_warmed(w
     (run / "config.toml").write_text(to_toml({**recorded, section: {**recorded[section], key: value}}))
     refused_untouched(workspace, capsys, ["train", "--resume", "results/old"], f"{section}.{key}:")
     assert not (workspace / "outer" / "cwd" / "results" / "bases").exists()
+
+
+@pytest.mark.parametrize("grid", ['max_kl3="0.05",0.1', "max_kl3=０.２,0.1", 'max_kl3=0.1,"0.10"', "max_kl3=1e-16,0.1"])
+def test_a_sweep_grid_value_is_checked_like_an_arms(workspace, capsys, grid):  # noqa: F811
+    argv = ["sweep", "atr", "--grid", grid, "--seeds", "1", "--steps", "1", "--set", "model.device=cpu"]
+    refused_untouched(workspace, capsys, argv, "max_kl3")
+
+
+def test_an_arm_label_keeps_a_string_a_string():
+    from atrctl.arms import arm_text, format_value
+
+    assert format_value("0.05") == '"0.05"' and format_value("kl1") == "kl1" and format_value(0.05) == "0.05"
+    assert arm_text("divergence", [("measure", "kl1"), ("delta", 0.1)]) == "divergence:measure=kl1,delta=0.1"
