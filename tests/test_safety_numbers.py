@@ -259,3 +259,17 @@ def test_an_arm_label_keeps_a_string_a_string():
 
     assert format_value("0.05") == '"0.05"' and format_value("kl1") == "kl1" and format_value(0.05) == "0.05"
     assert arm_text("divergence", [("measure", "kl1"), ("delta", 0.1)]) == "divergence:measure=kl1,delta=0.1"
+
+
+@pytest.mark.parametrize(
+    ("arm", "fragment"),
+    [
+        ("kl-band:delta=1e-20", "delta must be a finite number from 1e-08 to 5"),
+        ("kl-band:delta=1e-300", "delta must be a finite number from 1e-08 to 5"),
+        ("kl-band:delta=1e300", "delta must be a finite number from 1e-08 to 5"),
+        ("tv-band:delta=1e-320", "delta must be a finite number at least 1e-07"),
+    ],
+)
+def test_a_band_whose_bounds_would_be_nan_or_cross_1_is_refused(workspace, capsys, arm, fragment):  # noqa: F811
+    refused_untouched(workspace, capsys, [*COMPARE, "grpo", arm], fragment)
+    refused(capsys, ["export", arm], fragment)
