@@ -17,10 +17,11 @@ SEED_LIMIT = 2**63
 """Seeds feed torch generators (64-bit) through formulas that stay below 2^64 for these."""
 
 MIN_TEMPERATURE = 1e-3
-"""Below it the sampler's logits / T amplify float32 rounding (~1e-7 of a logit) into logprob noise as wide as
-a trust region (1e-4 of a logit of tens at T = 1e-3, the ratio w is built from it); far below, logits / T
-overflow float32 to inf and sampling meets NaN (at ~1e-37 for a logit of 30).  For a near-greedy sampler, a
-temperature of 0.01-0.1 is the useful range anyway."""
+"""What breaks is the sampler's logits / T: it overflows float32 to inf, and sampling meets NaN, near T = 1e-37
+for a logit of 30 (T = 1e-45 traced back in eval and read as a diverged policy in train).  Long before, the
+logprobs stop meaning anything: float32 rounds a logit z by ~6e-8·|z|, which 1/T makes 6e-5·|z| nats at
+T = 1e-3 and whole nats by T = 1e-6, and the ratio w that a trust region clips is made of them.  1e-3 is a
+floor with that margin, not a recommendation (bf16 autocast rounds ~6e4 times coarser still)."""
 
 MIN_TOP_P = 1.1754943508222875e-38
 """float32's smallest normal number: the sampler compares the cumulative probability to top_p in float32, and
