@@ -382,7 +382,7 @@ def eval_command(
         int, typer.Option("--n", "--samples", help="Samples per problem (--samples under torchrun, which takes --n).")
     ] = 256,
     k: Annotated[str | None, typer.Option("--k", help=r"Comma-separated k's \[default: 1, 2, 4, ... and n].")] = None,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature, > 0.")] = 1.0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature, at least 0.001.")] = 1.0,
     problems: Annotated[int, typer.Option(help="Problems to evaluate (drawn with the run's eval.seed).")] = 200,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     device: Annotated[str, typer.Option(help=f"{DEVICE_HELP}.")] = "auto",

@@ -273,3 +273,22 @@ def test_an_arm_label_keeps_a_string_a_string():
 def test_a_band_whose_bounds_would_be_nan_or_cross_1_is_refused(workspace, capsys, arm, fragment):  # noqa: F811
     refused_untouched(workspace, capsys, [*COMPARE, "grpo", arm], fragment)
     refused(capsys, ["export", arm], fragment)
+
+
+@pytest.mark.parametrize(
+    ("loss", "params"),
+    [
+        ("atr", {"max_kl3": "0.1"}),
+        ("dapo", {"eps_high": "1_0"}),
+        ("grpo", {"eps": "０.２"}),
+        ("cispo", {"eps_high": "٠.١"}),
+        ("grpo", {"dual_clip": "3"}),
+        ("kl-band", {"delta": "0.1"}),
+        ("tv-band", {"delta": True}),
+    ],
+)
+def test_the_python_losses_take_no_string_for_a_number(loss, params):
+    from atrctl.losses import check_loss
+
+    with pytest.raises((TypeError, ValueError), match="must be a number"):
+        check_loss(loss, **params)
