@@ -239,6 +239,9 @@ def warmup(
             f"model.base '{config.model.base}' is not a preset ({', '.join(PRESETS)}): "
             "real models are used as they are, without a warm-up"
         )
+    from atrctl.train import check_before_warmup
+
+    check_before_warmup(config)  # what training this recipe would refuse, refused before its base is warmed up
     with display.warmup_bar(config.warmup.max_steps) as on_progress:
         path, info = ensure_base(config, results, on_progress)
     console.print(

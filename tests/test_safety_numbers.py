@@ -292,3 +292,15 @@ def test_the_python_losses_take_no_string_for_a_number(loss, params):
 
     with pytest.raises((TypeError, ValueError), match="must be a number"):
         check_loss(loss, **params)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        (f'task.instruction="{LONG}"', "exceeds the model's 512 positions"),
+        ("model.lora={r=100000000}", "above the model's width"),
+        ("rollout.group_size=100000000", "lower rollout.group_size"),
+    ],
+)
+def test_warmup_refuses_what_training_its_recipe_would_before_warming(workspace, capsys, override, fragment):  # noqa: F811
+    refused_untouched(workspace, capsys, ["warmup", "--set", "model.device=cpu", "--set", override], fragment)
