@@ -52,6 +52,15 @@ def lora_settings(table: dict[str, Any]) -> dict[str, Any]:
     return {**settings, "alpha": float(alpha), "dropout": float(dropout)}
 
 
+def check_rank(r: int, width: int) -> None:
+    """Refuse a rank above the model's width (hidden_size): A and B would be width × r and r × width, yet their
+    product has rank at most the width, so the rest is memory that adds nothing (r = 1e8 asks for hundreds
+    of GiB)."""
+    if r > width:
+        raise UserError(f"model.lora.r = {r} is above the model's width ({width}): the update's rank cannot exceed "
+                        f"it; use at most {width}, typically 8-64")  # fmt: skip
+
+
 def check_targets(model: torch.nn.Module, targets: str | list[str]) -> None:
     """Every named target is the last part of some linear layer's name in `model`: a typo would otherwise
     leave peft to fail deep in its own code, or (for a partly right list) train fewer layers than asked."""
@@ -77,6 +86,7 @@ def add_adapters(model: torch.nn.Module, settings: dict[str, Any], seed: int = 0
             'model.lora needs the peft package: pip install torch==2.13.0 -e ".[lora]" (or pip install peft)'
         ) from None
     check_targets(model, settings["target_modules"])
+    check_rank(settings["r"], model.config.hidden_size)
     config = LoraConfig(
         r=settings["r"],
         lora_alpha=settings["alpha"],

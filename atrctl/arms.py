@@ -22,6 +22,7 @@ from typing import Any
 from atrctl.config import Recipe, read_value, recipe_from_dict, recipe_to_dict
 from atrctl.errors import UserError
 from atrctl.losses import POLICY_LOSSES, loss_parameters
+from atrctl.numbers import loss_value
 from atrctl.rundir import RunDir
 
 REGIME_SECTIONS = ("algo", "optim", "rollout")
@@ -54,10 +55,13 @@ class Arm:
 
 
 def format_value(value: Any) -> str:
-    """A parameter value as the label shows it: TOML's spelling (0.1, 2, true, cosine)."""
+    """A parameter value as the label shows it: TOML's spelling (0.1, 2, true, cosine), a word bare where it reads
+    back as itself and quoted where it would not: the string "0.05" stays a string, not the number 0.05."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value) if isinstance(value, int | float) else str(value)
+    if isinstance(value, int | float):
+        return repr(value)
+    return str(value) if read_value(str(value)) == value else json.dumps(value)
 
 
 def arm_text(loss: str, settings: Sequence[tuple[str, Any]]) -> str:
@@ -96,9 +100,7 @@ def parse_arm(text: str) -> Arm:
                     f"arm '{text}': {loss} takes no parameter '{key}'; its parameters: {_parameter_list(loss)} "
                     f"(or a recipe key such as algo.num_iterations=2)"
                 )
-            if isinstance(value, bool) and not isinstance(taken[key], bool):
-                raise UserError(f"arm '{text}': {key} is a number, not {raw}")
-            params.append((key, value))
+            params.append((key, loss_value(value, taken[key], f"arm '{text}': {key}")))
         else:
             _check_regime_key(text, key)
             overrides.append((key, value))

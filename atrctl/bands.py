@@ -22,10 +22,24 @@ _LOG_FLOOR = -700.0  # e^-700 ~ 1e-304: keeps p and 1 - p positive in float64 wi
 _NEWTON_STEPS = 8  # from the starts below: |KL - delta| < 1e-13 for delta in [1e-8, 5], any p in (0, 1]
 
 
-def _check_delta(delta: float) -> float:
+TV_DELTA_RANGE = (1e-7, math.inf)
+"""Below 1e-7 a token with p_old near 1 has l = 1 - delta/p that rounds to 1 in float32: the band clips every
+such ratio to 1.  Any delta >= 1 is no constraint at all, which is allowed."""
+KL_DELTA_RANGE = (1e-8, 5.0)
+"""Where the Newton solve is exact (_NEWTON_STEPS): below it a lower bound comes out above 1 (1e-20) or NaN
+(1e-300), above it NaN at p_old = 1 (1e300).  KL of 5 nats already lets p_new go from 0.5 to 1e-4."""
+
+
+def _check_delta(delta: float, valid: tuple[float, float]) -> float:
+    if isinstance(delta, str | bool):
+        raise ValueError(f"delta must be a number, got {delta!r}")
     delta = float(delta)
-    if not (math.isfinite(delta) and delta > 0):
-        raise ValueError(f"delta must be a finite number > 0, got {delta}")
+    low, high = valid
+    if not (math.isfinite(delta) and low <= delta <= high):
+        allowed = f"at least {low:g}" if high == math.inf else f"from {low:g} to {high:g}"
+        raise ValueError(
+            f"delta must be a finite number {allowed} (the band is degenerate or NaN outside), got {delta:g}"
+        )
     return delta
 
 
@@ -40,7 +54,7 @@ def tv_band_bounds(old_logp: Tensor, delta: float, dtype: torch.dtype = torch.fl
     device.  As 1.0 / exp(log p) it landed an ulp on either side of its ratio, clipped on a GPU and not on
     the CPU (tests/test_losses.py::test_cuda_matches_cpu, seen on an H200).
     """
-    delta = _check_delta(delta)
+    delta = _check_delta(delta, TV_DELTA_RANGE)
     log_p = old_logp.detach().to(dtype).clamp(max=0.0)
     p = log_p.exp()
     low = (1.0 - delta / p).clamp(min=0.0)
@@ -57,7 +71,7 @@ def kl_band_bounds(old_logp: Tensor, delta: float, dtype: torch.dtype = torch.fl
     The roots are found in float64; float32 bounds are those roots rounded (near
     p_new = 1 the rounding of u, not the solver, limits how well p_old·u meets the constraint).
     """
-    delta = _check_delta(delta)
+    delta = _check_delta(delta, KL_DELTA_RANGE)
     log_p = old_logp.detach().double().clamp(max=0.0)
     log_1mp = _log1mexp(log_p)
     log_p, log_1mp = log_p.clamp(min=_LOG_FLOOR), log_1mp.clamp(min=_LOG_FLOOR)

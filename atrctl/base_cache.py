@@ -101,12 +101,13 @@ def ensure_base(
         return target, info
 
     from atrctl.allocator import keep_freed_memory
-    from atrctl.models import build_char_tokenizer, build_model, resolve_device, set_cpu_threads
+    from atrctl.models import build_char_tokenizer, build_model, requested_threads, resolve_device, set_cpu_threads
     from atrctl.prompts import prompt_style
     from atrctl.tasks import get_task
     from atrctl.warmup import warm_up
 
     task = get_task(recipe.task.name, **recipe.task.args)
+    requested_threads()  # a bad ATRCTL_THREADS is refused before bases/ is made
     try:  # before the warm-up, not after it
         target.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(target.parent, os.W_OK):

@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from atrctl import __version__
+from atrctl import __version__, numbers
 from atrctl.bounds_table import FIGURE_FORMATS
 from atrctl.config import AlgoConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig
 from atrctl.destinations import check_destination, disk_full
@@ -96,11 +96,12 @@ def plot_bounds(
 ) -> None:
     """Show the ratio interval each divergence constraint implies: table, CSV and figure."""
     from atrctl import display
-    from atrctl.divergence import MAX_KL3
+    from atrctl.divergence import MAX_KL3, MIN_KL3
 
     for delta in max_kl3:
-        if _positive(delta, "--max-kl3") > MAX_KL3:
-            raise UserError(f"--max-kl3 must be at most {MAX_KL3:g} (got {delta}); typical values are 0.01-0.2")
+        if not MIN_KL3 <= _positive(delta, "--max-kl3") <= MAX_KL3:
+            raise UserError(f"--max-kl3 must be from {MIN_KL3:g} to {MAX_KL3:g} (got {delta}); typical values are "
+                            "0.01-0.2")  # fmt: skip
     _unit_open(eps, "--eps")
     _positive(eps_high, "--eps-high")
 
@@ -242,6 +243,9 @@ def warmup(
             "real models are used as they are, without a warm-up"
         )
     check_destination(results, "--results")
+    from atrctl.train import check_before_warmup
+
+    check_before_warmup(config)  # what training this recipe would refuse, refused before its base is warmed up
     with display.warmup_bar(config.warmup.max_steps) as on_progress:
         path, info = ensure_base(config, results, on_progress)
     console.print(
@@ -402,7 +406,7 @@ def eval_command(
         int, typer.Option("--n", "--samples", help="Samples per problem (--samples under torchrun, which takes --n).")
     ] = 256,
     k: Annotated[str | None, typer.Option("--k", help=r"Comma-separated k's \[default: 1, 2, 4, ... and n].")] = None,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature, > 0.")] = 1.0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature, at least 0.001.")] = 1.0,
     problems: Annotated[int, typer.Option(help="Problems to evaluate (drawn with the run's eval.seed).")] = 200,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     device: Annotated[str, typer.Option(help=f"{DEVICE_HELP}.")] = "auto",
@@ -455,9 +459,9 @@ def eval_command(
     if batch_size < 0:
         raise UserError(f"--batch-size must be at least 0 (got {batch_size}); 0 sizes it from the model")
     _check_nproc(nproc)
-    _positive(temperature, "--temperature")
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise UserError(f"--top-p must be in (0, 1] (got {top_p}); e.g. --top-p 0.95")
+    numbers.temperature(temperature, "--temperature")
+    numbers.top_p(top_p, "--top-p")
+    numbers.seed(seed, "--seed")
     ks = parse_ks(k, n)
     if completions != "all" and not (completions.isdigit() and completions.isascii()):
         raise UserError(f"--completions {completions!r}: give a count (e.g. 4, or 0 for the greedy ones only) or 'all'")
@@ -669,7 +673,10 @@ def export(
         raise UserError(f"{parsed.loss} takes no {', '.join(unused)}; its parameters: "
                         f"{', '.join(loss_parameters(parsed.loss))}")  # fmt: skip
     merged = {**flags, **dict(parsed.params)}  # the arm's own values win
-    print(snippet(parse_arm(arm_text(parsed.loss, list(merged.items()))), to), end="", file=console.file)
+    # the arm's recipe keys stay in it, for `export` to refuse rather than drop
+    print(
+        snippet(parse_arm(arm_text(parsed.loss, [*merged.items(), *parsed.overrides])), to), end="", file=console.file
+    )
 
 
 # --------------------------------------------------------------------- entry

@@ -389,6 +389,7 @@ def plan_comparison(
     """Check every input and resolve the comparison; nothing is written (run_comparison claims the directory).
     Its directory is results/<kind>-<name>."""
     from atrctl.evaluation import check_samples_fit
+    from atrctl.models import requested_threads
     from atrctl.train import validate_algo
 
     for value, flag in ((seeds, "--seeds"), (n, "--n"), (problems, "--problems"), (jobs, "--jobs")):
@@ -396,6 +397,7 @@ def plan_comparison(
             raise UserError(f"{flag} must be at least 1 (got {value})")
     if len(arm_names) < 2:
         raise UserError(f"{kind} needs at least two arms, e.g. `atrctl compare grpo atr`")
+    requested_threads()  # here, in the parent, not first in a run it starts after writing the comparison
     from atrctl.reporting import check_installed, reporter_names
 
     check_installed(reporter_names(recipe.run))  # here, not in each run's log

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from atrctl import numbers
 from atrctl.errors import UserError
 
 if sys.version_info >= (3, 11):
@@ -273,7 +274,6 @@ _POSITIVE = {
     ("warmup", "eval_problems"),
     ("rollout", "prompts"),
     ("rollout", "max_new_tokens"),
-    ("rollout", "temperature"),
     ("algo", "num_iterations"),
     ("algo", "minibatches"),
     ("optim", "lr"),
@@ -281,7 +281,6 @@ _POSITIVE = {
     ("eval", "every"),
     ("eval", "problems"),
     ("eval", "samples"),
-    ("eval", "temperature"),
     ("run", "steps"),
     ("run", "checkpoint_every"),
     ("run", "max_bad_steps"),
@@ -294,7 +293,8 @@ _NON_NEGATIVE = {
     ("eval", "batch"),
     ("rollout", "sample_batch"),
 }
-_FRACTIONS = {("warmup", "target_accuracy"), ("rollout", "top_p")}
+_FRACTIONS = {("warmup", "target_accuracy")}
+_SAMPLING = {"temperature": numbers.temperature, "top_p": numbers.top_p}  # rollout.* and eval.*
 
 
 def _closest(key: str, valid: typing.Iterable[str], prefix: str = "") -> str:
@@ -333,17 +333,14 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-SEED_LIMIT = 2**63  # seeds feed torch generators (64-bit) through formulas that stay below 2^64 for these
-
-
 def _check_value(section: str, key: str, value: Any) -> None:
     where = f"{section}.{key}"
-    if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"{where} must be a finite number, got {value}")
-    if key == "seed" and not 0 <= value < SEED_LIMIT:
-        raise UserError(f"{where} must be an integer from 0 to 2^63 - 1, got {value}")
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= SEED_LIMIT:
-        raise UserError(f"{where} = {value} is out of range: use a value below 2^63")
+    if key == "seed":
+        numbers.seed(value, where)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        numbers.number(value, where)
+    if key in _SAMPLING:
+        _SAMPLING[key](value, where)
     if (section, key) in _CHOICES and value not in (choices := _CHOICES[section, key]()):
         raise UserError(f"{where} = {value!r} is not one of {', '.join(choices)}")
     if (section, key) in _POSITIVE and not (value > 0 and math.isfinite(value)):
@@ -364,6 +361,33 @@ def _check_value(section: str, key: str, value: Any) -> None:
         raise UserError(f"{where} must be at least 2 (a group of one has no baseline), got {value}")
 
 
+MAX_NESTING = 16
+"""Most levels of lists and tables inside one another a recipe value may have: real ones have 2 (lora's
+target_modules); past a few hundred, parsing and copying a value exhaust Python's recursion."""
+
+
+def _nesting(value: Any) -> int:
+    """Levels of lists and tables in `value`, counted level by level (no recursion, whatever the depth)."""
+    depth, level = 0, [value]
+    while any(isinstance(item, list | dict) for item in level):
+        depth += 1
+        level = [child for item in level if isinstance(item, list | dict)
+                 for child in (item.values() if isinstance(item, dict) else item)]  # fmt: skip
+    return depth
+
+
+def _too_deep(what: str) -> UserError:
+    return UserError(f"{what} nests lists or tables too deeply: at most {MAX_NESTING} levels")
+
+
+def loads_toml(text: str, what: str) -> dict[str, Any]:
+    """tomllib.loads, whose parser recurses once per level: a value nested a few hundred deep is refused."""
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise _too_deep(what) from None
+
+
 def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -371,6 +395,8 @@ def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     for key, value in values.items():
         if key not in names:
             raise UserError(f"unknown key '{section}.{key}'{_closest(key, names, section + '.')}")
+        if _nesting(value) > MAX_NESTING:
+            raise _too_deep(f"{section}.{key}")
         value = _coerce(value, hints[key], f"{section}.{key}")
         _check_value(section, key, value)
         kwargs[key] = value
@@ -388,9 +414,24 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
             raise UserError(f"'{section}' must be a table ([{section}]), got {type(values).__name__}")
         sections[section] = _build_section(section, hints[section], values)
     recipe = Recipe(**sections)
+    _check_loss_args(recipe.algo)
     if recipe.task.system_prompt and not recipe.task.chat_template:
         raise UserError("task.system_prompt needs the chat template: set task.chat_template = true")
     return recipe
+
+
+def _check_loss_args(algo: AlgoConfig) -> None:
+    """Each of algo.args a number, or a word where the loss's default is one: the loss itself would pass a
+    string through `float()` and train on it.  Names the loss does not take are left to `train.validate_algo`,
+    which lists the ones it does."""
+    if not algo.args:
+        return
+    from atrctl.losses import POLICY_LOSSES, loss_parameters
+
+    defaults = loss_parameters(algo.loss) if algo.loss in POLICY_LOSSES else {}
+    for key, value in algo.args.items():
+        if key in defaults:
+            numbers.loss_value(value, defaults[key], f"algo.args.{key}")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
@@ -436,7 +477,7 @@ def parse_override(assignment: str) -> tuple[list[str], Any]:
 def read_value(raw: str) -> Any:
     """A value as TOML reads it (0.1, 2, true, "x"); a bare word such as cosine or cuda stays a string."""
     try:
-        return tomllib.loads(f"v = {raw.strip()}")["v"]
+        return loads_toml(f"v = {raw.strip()}", f"the value {raw.strip()[:20]}…")["v"]
     except tomllib.TOMLDecodeError:
         return raw.strip()
 
@@ -458,7 +499,7 @@ def load_recipe(path: str | Path | None = None, overrides: typing.Sequence[str] 
         if not path.is_file():
             raise UserError(f"recipe {path} does not exist; pass a TOML file such as recipes/default.toml")
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            data = loads_toml(path.read_text(encoding="utf-8"), f"recipe {path}")
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
             raise UserError(f"recipe {path} is not valid TOML: {error}") from None
     for assignment in overrides:

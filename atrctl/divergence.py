@@ -70,6 +70,9 @@ MEASURES: dict[str, Callable] = {
 
 
 def _as_float(value, name: str) -> float:
+    """A number as a float; a string or a boolean is not one (`float()` would read "0.05", "０.２" and "1_0")."""
+    if isinstance(value, str | bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -84,6 +87,10 @@ def _check_level(delta: float, name: str = "delta") -> float:
 
 
 MAX_KL3 = 700.0  # beyond it the lower bound e^(-1-delta) underflows float64
+MIN_KL3 = 1e-14
+"""Below ~2e-15 the upper bound 1 + sqrt(2 delta) rounds to 1 in float32, where the losses clip the ratio, and
+below ~1e-16 Lambert W's argument rounds onto its branch point and the bounds are NaN: such a region clips
+every ratio to 1 (a run would skip every step).  1e-14 is the round value above both."""
 
 
 def kl3_bounds(delta: float) -> tuple[float, float]:
@@ -99,6 +106,10 @@ def kl3_bounds(delta: float) -> tuple[float, float]:
     delta = _check_level(delta, "max_kl3")
     if delta > MAX_KL3:
         raise ValueError(f"max_kl3 must be <= {MAX_KL3:g} (its lower bound underflows), got {delta}")
+    if delta < MIN_KL3:
+        raise ValueError(
+            f"max_kl3 must be at least {MIN_KL3:g} (a smaller region rounds to the ratio 1), got {delta:g}"
+        )
     z = -math.exp(-1.0 - delta)
     low = -lambertw(z, 0).real
     high = -lambertw(z, -1).real
@@ -226,9 +237,24 @@ def trust_region(name: str, **params) -> tuple[float, float]:
     if name not in TRUST_REGIONS:
         raise ValueError(f"unknown trust region {name!r}; choose one of {', '.join(TRUST_REGIONS)}")
     try:
-        return TRUST_REGIONS[name](**params)
+        low, high = TRUST_REGIONS[name](**params)
     except TypeError as error:  # a misspelt parameter name
         raise ValueError(f"trust region {name!r}: {error}") from None
+    return _usable(name, params, low, high)
+
+
+def _usable(name: str, params: dict, low: float, high: float) -> tuple[float, float]:
+    """[low, high] if it lets the ratio move on both sides of 1 as the losses compute it (float32): a region so
+    small that a bound is NaN or rounds to 1 would clip every ratio to 1 and train nothing, silently.  A side
+    may be unbounded (kl1's upper, reverse-kl3's lower for delta >= 1: 0 and inf)."""
+    import numpy
+
+    low32, high32 = numpy.float32(low), numpy.float32(high)
+    if not (0 <= low32 < 1 < high32):
+        given = ", ".join(f"{key}={value!r}" for key, value in params.items()) or "its defaults"
+        raise ValueError(f"{name} with {given} gives the ratio interval [{low:.17g}, {high:.17g}], which float32 "
+                         "cannot tell from 1: widen it (a larger level or epsilon)")  # fmt: skip
+    return low, high
 
 
 # ---------------------------------------------- translation to other trainers

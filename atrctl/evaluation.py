@@ -258,15 +258,20 @@ def parse_ks(text: str | None, n: int) -> list[int]:
 BYTES_PER_SAMPLE = 128
 
 
-def check_samples_fit(problems: int, n: int, flag: str = "--n") -> None:
+def check_samples_fit(problems: int, n: int, flag: str = "--n", problems_flag: str = "--problems") -> None:
     """Refuse, before a model is loaded or a file written, an evaluation whose problems × n outcomes could not
     be held in this machine's available memory (else it would run for hours and then be killed)."""
-    needed, available = problems * n * BYTES_PER_SAMPLE, available_memory()
+    check_fits(f"{problems} problems × {flag} {n} = {problems * n:,} samples", problems * n * BYTES_PER_SAMPLE,
+               f"lower {flag} or {problems_flag}")  # fmt: skip
+
+
+def check_fits(what: str, needed: int, fix: str) -> None:
+    """The one memory check: refuse `what`, which needs at least `needed` bytes, where this machine has fewer
+    available, before any work (else it runs, perhaps for hours, and is then killed); `fix` says what to lower."""
+    available = available_memory()
     if available is not None and needed > available:
-        raise UserError(
-            f"{problems} problems × {flag} {n} = {problems * n:,} samples need about {needed / 2**30:,.1f} GiB "
-            f"to hold, more than the {available / 2**30:,.1f} GiB available: lower {flag} or --problems"
-        )
+        raise UserError(f"{what} need about {needed / 2**30:,.1f} GiB to hold, more than the "
+                        f"{available / 2**30:,.1f} GiB available: {fix}")  # fmt: skip
 
 
 def available_memory() -> int | None:
@@ -327,7 +332,7 @@ def evaluate_model(
     import torch
 
     from atrctl.models import numerics, sized_batch
-    from atrctl.prompts import check_lengths, encode_prompts, prompt_text
+    from atrctl.prompts import check_lengths, encode_prompts, model_positions, prompt_text
     from atrctl.rollout import rollout_backend
     from atrctl.scoring import sampled_scores
 
@@ -336,7 +341,7 @@ def evaluate_model(
     started = time.perf_counter()
     rank, world = distributed.shard()
     prompt_ids = encode_prompts(tokenizer, problems, style)
-    check_lengths(prompt_ids, max_new_tokens, model, "--max-new-tokens")
+    check_lengths(prompt_ids, max_new_tokens, model_positions(model), "--max-new-tokens")
     batch_size = sized_batch(model, max((len(ids) for ids in prompt_ids), default=0) + max_new_tokens, batch_size)
     device = next(model.parameters()).device
     sampler = rollout_backend(backend, model, tokenizer, numerics(device, autocast=False))  # the dtype loaded

@@ -9,6 +9,8 @@ registered in verl's policy-loss registry by `atrctl.integrations.verl.register`
 
 from __future__ import annotations
 
+import math
+
 from atrctl.arms import Arm
 from atrctl.errors import UserError
 from atrctl.losses import check_loss, constant_interval, loss_parameters
@@ -17,10 +19,13 @@ TARGETS = ("trl", "verl")
 
 
 def constant_region(arm: Arm) -> tuple[float, float] | None:
-    """[l, u] of an arm whose loss is a constant trust region without a dual clip, else None."""
+    """[l, u] of an arm whose loss is a constant trust region without a dual clip, else None.  A region without
+    an upper bound (kl1's) is no clip range either: epsilon_high = inf is not a number TRL's or verl's settings
+    can be written with, so it runs as atrctl's own loss.  A lower bound of 0 is one (epsilon = 1)."""
     if dict(arm.params).get("dual_clip") is not None:
         return None
-    return constant_interval(arm.loss, dict(arm.params))
+    region = constant_interval(arm.loss, dict(arm.params))
+    return region if region is not None and region[1] < math.inf else None
 
 
 def describe(arm: Arm, region: tuple[float, float] | None) -> str:

@@ -281,8 +281,15 @@ def metric_reduction(name: str) -> str:
     return "min" if name.endswith("/min") else "max" if name.endswith("/max") else "mean"
 
 
+def _strict_float(value: float, name: str) -> float:
+    """float(value) for a number; a string or a boolean is refused (`float()` reads "0.05", "０.２" and "1_0")."""
+    if isinstance(value, str | bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
 def _check_positive(value: float, name: str) -> float:
-    value = float(value)
+    value = _strict_float(value, name)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return value
@@ -291,7 +298,7 @@ def _check_positive(value: float, name: str) -> float:
 def _check_dual_clip(dual_clip: float | None) -> float | None:
     if dual_clip is None:
         return None
-    dual_clip = float(dual_clip)
+    dual_clip = _strict_float(dual_clip, "dual_clip")
     if not (math.isfinite(dual_clip) and dual_clip > 1):
         raise ValueError(f"dual_clip must be a finite number > 1 (or None for off), got {dual_clip}")
     return dual_clip

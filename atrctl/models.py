@@ -358,12 +358,24 @@ def set_cpu_threads(threads: int | None = None) -> int:
     """Use every CPU this process may run on (torch defaults to physical cores); ATRCTL_THREADS overrides."""
     import torch
 
-    env = os.environ.get("ATRCTL_THREADS")
-    if threads is None and env:
-        if not (env.isdigit() and int(env) > 0):
-            raise UserError(f"ATRCTL_THREADS='{env}' is not a positive integer: set it to e.g. 2 or unset it")
-        threads = int(env)
     if threads is None:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = requested_threads() or usable_cpus()
     torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def requested_threads() -> int | None:
+    """ATRCTL_THREADS, checked (None when unset): a whole number from 1 to the CPUs this process may use.  Read
+    by the command itself before anything is written, not first by a child it starts (compare's runs)."""
+    env = os.environ.get("ATRCTL_THREADS")
+    if not env:
+        return None
+    if not (env.isascii() and env.isdigit() and 1 <= int(env) <= usable_cpus()):
+        raise UserError(f"ATRCTL_THREADS='{env[:20]}' is not a whole number from 1 to {usable_cpus()} (the CPUs "
+                        "this process may use): set it to e.g. 2 or unset it")  # fmt: skip
+    return int(env)

@@ -66,10 +66,14 @@ def encode_prompts(tokenizer, problems: Sequence, style: PromptStyle = PLAIN) ->
     return [tokenizer(text, add_special_tokens=not style.chat_template)["input_ids"] for text in texts]
 
 
-def check_lengths(prompt_ids: Sequence[list[int]], max_new_tokens: int, model, flag: str) -> None:
-    """Refuse, before any sampling, prompts that with `max_new_tokens` would run past the model's positions
+def model_positions(model) -> int | None:
+    """The positions a model can attend over (None where its config does not say)."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def check_lengths(prompt_ids: Sequence[list[int]], max_new_tokens: int, positions: int | None, flag: str) -> None:
+    """Refuse, before any sampling, prompts that with `max_new_tokens` would run past the model's `positions`
     (some architectures index out of range there, others silently degrade)."""
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     longest = max((len(ids) for ids in prompt_ids), default=0)
     if positions is not None and longest + max_new_tokens > positions:
         raise UserError(

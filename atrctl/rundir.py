@@ -120,12 +120,12 @@ class RunDir:
 
     def recipe(self) -> Recipe:
         """The recipe the run recorded (its [environment] table is provenance, not settings)."""
-        from atrctl.config import recipe_from_dict
+        from atrctl.config import loads_toml, recipe_from_dict
 
         if not self.is_run:
             raise UserError(f"{self.path} has no config.toml: give a run directory such as results/<run>")
         try:
-            data = tomllib.loads(self.config.read_text(encoding="utf-8"))
+            data = loads_toml(self.config.read_text(encoding="utf-8"), str(self.config))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
             raise UserError(f"{self.config} is not valid TOML ({error}): restore it, or start the run anew") from None
         data.pop("environment", None)

@@ -28,6 +28,7 @@ from atrctl import distributed
 from atrctl.adapters import (
     adapter_line,
     add_adapters,
+    check_rank,
     lora_settings,
     reference_pass,
     store_frozen_base,
@@ -51,6 +52,7 @@ from atrctl.checkpoint import (
     checkpoint_contents,
     find_checkpoint,
     load_latest_checkpoint,
+    previous_checkpoint,
     promote_previous,
     read_state,
     restore_rng,
@@ -62,7 +64,7 @@ from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, metric_reduction, policy_loss
 from atrctl.models import Numerics, sized_micro_batch, update_budget
-from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, prompt_style
+from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, model_positions, prompt_style
 from atrctl.reporting import Reporters, check_installed, held_out_table, reporter_names
 from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
@@ -142,6 +144,8 @@ def _train(
     )  # before the lock file exists
     if main:  # a tracker's missing library is one line, before anything is written
         check_installed(reporter_names(recipe.run), run_dir.path if resume else None)
+    if resume:  # an edited config.toml (a warm-up key, say) is refused before a new base is warmed up for it
+        distributed.decided_by_main(lambda: _check_recorded_recipe(run_dir, recipe))
     run = build_run(recipe, run_dir, bases_folder(run_dir.path, results), on_warmup)  # then the lock file
     with ExitStack() as held:
 
@@ -355,6 +359,19 @@ def _check_same_recipe(state: TrainState, recipe: Recipe, run_dir: RunDir) -> No
         raise UserError(f"{run_dir.config} no longer matches the recipe its checkpoint was trained with "
                         f"({'; '.join(changed)}): restore it, or start a new run")  # fmt: skip
     state.recipe = now
+
+
+def _check_recorded_recipe(run_dir: RunDir, recipe: Recipe) -> None:
+    """`_check_same_recipe` against the newest checkpoint's state.json alone (no weights): what `_resume` will
+    check once the model is built, said before the build warms up a base.  A checkpoint that cannot be read is
+    left to `_resume`, which explains it."""
+    for candidate in (run_dir.checkpoint, previous_checkpoint(run_dir.checkpoint)):
+        try:
+            state = read_state(candidate)
+        except UserError:
+            continue
+        _check_same_recipe(state, recipe, run_dir)
+        return
 
 
 def _divergence_message(run: Run, step: int) -> str:
@@ -790,7 +807,7 @@ def build_run(
     from atrctl.models import load_model, numerics, resolve_device, resolve_dtype, set_cpu_threads, sized_batch
     from atrctl.rollout import rollout_backend
 
-    validate_algo(recipe)
+    validate_algo(recipe)  # and `check_before_warmup`
     lora = lora_settings(recipe.model.lora)
     check_can_shard(recipe.model.shard, distributed.world_size(), bool(lora), recipe.model.compile)
     task = get_task(recipe.task.name, **recipe.task.args)
@@ -834,7 +851,7 @@ def build_run(
     held_out = problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
     style = prompt_style(task, recipe.task.chat_template, recipe.task.system_prompt, recipe.task.instruction)
     pool_ids, held_out_ids = encode_prompts(tokenizer, pool, style), encode_prompts(tokenizer, held_out, style)
-    check_lengths(pool_ids + held_out_ids, recipe.rollout.max_new_tokens, model, "rollout.max_new_tokens")
+    check_lengths(pool_ids + held_out_ids, recipe.rollout.max_new_tokens, model_positions(model), LENGTH_FLAG)
     longest = max(len(ids) for ids in held_out_ids) + recipe.rollout.max_new_tokens
     eval_batch = sized_batch(model, longest, recipe.eval.batch)  # the held-out checks' KV cache is bounded
     # The fused kernel (CPU and CUDA) updates every tensor in one pass: ~6x faster than the per-tensor loop.
@@ -881,6 +898,40 @@ def validate_algo(recipe: Recipe, world: int | None = None) -> None:
         _probe_loss(recipe)
     except (ValueError, TypeError) as error:  # TypeError: a list or table where a number belongs
         raise UserError(f"algo.args for '{algo.loss}': {error}") from None
+    check_before_warmup(recipe)
+
+
+LENGTH_FLAG = "rollout.max_new_tokens"
+ROLLOUT_BYTES_PER_TOKEN = 16
+"""Host bytes a rollout keeps per completion token at the least: its id (int64), its old logprob and its
+advantage (float32 each) — before any KV cache or activation, which depend on the model."""
+
+
+def check_before_warmup(recipe: Recipe) -> None:
+    """What can be refused without the base model, checked before it is warmed up (hours for a preset) and
+    before anything is written: ATRCTL_THREADS, the memory the step's and the held-out check's samples take
+    at the least, and for a preset (whose shape is known before it exists) the LoRA rank and prompt lengths."""
+    from atrctl.evaluation import BYTES_PER_SAMPLE, check_fits, check_samples_fit
+    from atrctl.models import MAX_POSITIONS, PRESETS, build_char_tokenizer, requested_threads
+
+    requested_threads()
+    rollout = recipe.rollout
+    rows = rollout.prompts * rollout.group_size
+    check_fits(f"rollout.prompts × rollout.group_size = {rows:,} completions of {rollout.max_new_tokens} tokens",
+               rows * (BYTES_PER_SAMPLE + ROLLOUT_BYTES_PER_TOKEN * rollout.max_new_tokens),
+               "lower rollout.group_size or rollout.prompts")  # fmt: skip
+    check_samples_fit(recipe.eval.problems, recipe.eval.samples, "eval.samples", "eval.problems")
+    if recipe.model.base not in PRESETS:  # a real model's shape is read with it: it needs no warm-up
+        return
+    lora = lora_settings(recipe.model.lora)
+    if lora:
+        check_rank(lora["r"], PRESETS[recipe.model.base][0])
+    task = get_task(recipe.task.name, **recipe.task.args)
+    style = prompt_style(task, recipe.task.chat_template, recipe.task.system_prompt, recipe.task.instruction)
+    tokenizer = build_char_tokenizer()
+    problems = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
+    problems += problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
+    check_lengths(encode_prompts(tokenizer, problems, style), rollout.max_new_tokens, MAX_POSITIONS, LENGTH_FLAG)
 
 
 def _probe_loss(recipe: Recipe):

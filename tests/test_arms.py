@@ -64,7 +64,7 @@ def test_the_resolved_recipe_layers_defaults_shared_flags_and_the_arms_own_value
         ("atr:algo.x.y=1", "'algo.x.y' is not a recipe key"),
         ("grpo:eps=[0.1]", "eps=[0.1] is not a number or a word"),
         ("tv-band:delta={a=1}", "is not a number or a word"),
-        ("atr:max_kl3=true", "max_kl3 is a number, not true"),
+        ("atr:max_kl3=true", "max_kl3 must be a number, got true"),
         ("atr:rollout.max_new_tokens=4", "which the evaluation of every arm uses too"),
         ("atr:rollout.backend=hf", "which the evaluation of every arm uses too"),
     ],
