@@ -18,7 +18,17 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get whole tables
+LOG_WIDTH = 100_000
+"""Line width where stdout is not a terminal (nohup, SLURM, CI, a pipe): rich wraps nothing, so each figure of a
+table stays on one line with its interval."""
+
+
+def stdout_console() -> Console:
+    """The console of stdout: the terminal's width on a terminal, `LOG_WIDTH` elsewhere."""
+    return Console(width=None if sys.stdout.isatty() else LOG_WIDTH)
+
+
+console = stdout_console()
 stderr = Console(stderr=True)
 
 
