@@ -229,7 +229,7 @@ in float32 (`decoder_pass._attend`; SDPA's bf16 backward had been half of medium
 step had lost, 0.89x).  The batch of benchmarks/cpu_bf16.py, 32 rows, is too small for bf16 sampling to
 pay (0.77x at medium there, 1.7x faster at the recipe's 512 rows) and gives medium's step 1.04x, 576 wide
 (SmolLM2-135M's shape) 1.30x.  On a newer EPYC whose bf16 products run 4.1x float32's medium's step gained
-1.38x with SDPA still in place (README).  Without native bf16 it is emulated, 2-4x slower: never auto."""
+1.38x with SDPA (docs/performance-log.md).  Without native bf16 it is emulated, 2-4x slower: never auto."""
 
 
 def linears_autocast_casts(model) -> list:

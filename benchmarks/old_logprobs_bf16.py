@@ -3,7 +3,7 @@
 Not a test.  Under bf16 autocast the sampler's logprobs (KV-cache decoding, one position at a time) round
 apart from the training pass's (all positions at once), so `algo.old_logprobs = auto` used to recompute
 them there.  This measures, on the rollouts of a real recipe (default: SmolLM2-135M-Instruct on
-`recipes/smollm2-arith-cpu.toml`, imported as the README says), what reusing them changes against that
+`recipes/smollm2-arith-cpu.toml`, imported as docs/usage.md says), what reusing them changes against that
 and against the float32 truth.  Each rollout is sampled once, by the bf16 run; three copies of the same
 weights and AdamW state then take the same update on it:
 
