@@ -53,7 +53,17 @@ class _Guarded:
             raise OutputLost(self._name, error) from None
 
 
-console = Console(file=_Guarded("stdout"), width=None if sys.stdout.isatty() else 160)  # logs, pipes: whole tables
+LOG_WIDTH = 100_000
+"""Line width where stdout is not a terminal (nohup, SLURM, CI, a pipe): rich wraps nothing, so each figure of a
+table stays on one line with its interval."""
+
+
+def stdout_console() -> Console:
+    """The console of stdout: the terminal's width on a terminal, `LOG_WIDTH` elsewhere."""
+    return Console(file=_Guarded("stdout"), width=None if sys.stdout.isatty() else LOG_WIDTH)
+
+
+console = stdout_console()
 stderr = Console(file=_Guarded("stderr"), stderr=True)
 
 
