@@ -309,7 +309,12 @@ def test_a_checkpoint_of_other_weights_is_refused_in_one_line(results, capsys):
     assert 'lora = {"r" = 8}' in text
     config.write_text(text.replace('lora = {"r" = 8}', "lora = {}"))
     capsys.readouterr()
-    assert main(["train", "--resume", str(directory)]) == 2
+    assert main(["train", "--resume", str(directory)]) == 2  # the recorded recipe names the change first
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "(model.lora: {'r': 8} → {})" in err
+    state = directory / "checkpoint" / "state.json"
+    state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items() if k != "recipe"}))
+    assert main(["train", "--resume", str(directory)]) == 2  # a checkpoint that recorded none: its weights tell
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "holds LoRA adapters but the recipe trains every weight" in err
     assert (directory / "metrics.jsonl").read_text() == metrics  # nothing of the run was touched

@@ -1,5 +1,6 @@
-"""Every timing tool in benchmarks/ still runs: its --smoke mode (a batch of seconds, figures meaningless) exits
-cleanly and prints its table.  GPU-only paths (gpu_check.sh) are exercised on a GPU machine."""
+"""Every timing tool in benchmarks/ still runs: its --smoke mode (a batch of seconds, figures meaningless), run from
+the repository root as the tools document, exits cleanly and prints its table.  GPU-only paths (gpu_check.sh) are
+exercised on a GPU machine."""
 
 import importlib.util
 import os
@@ -23,12 +24,12 @@ TOOLS = {  # tool: a line its output holds when it measured something
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", sorted(TOOLS))
-def test_each_tool_runs_its_smoke_mode(tool, tmp_path):
+def test_each_tool_runs_its_smoke_mode(tool):
     if tool == "vs_trl" and importlib.util.find_spec("trl") is None:
         pytest.skip("vs_trl needs trl (the bench extra)")
     env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(BENCHMARKS / f"{tool}.py"), "--smoke"], capture_output=True,
-                          text=True, cwd=tmp_path, env=env, timeout=300)  # fmt: skip
+                          text=True, cwd=BENCHMARKS.parent, env=env, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert TOOLS[tool] in done.stdout, done.stdout[-3000:]
 

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -348,15 +349,18 @@ def test_a_refusal_under_nproc_is_one_line_from_every_rank_together(results, sin
     collective, and the launcher adds no report of its own."""
     from atrctl.rundir import exclusive
 
+    held = results / "held"  # the run as a crash before its model was in place leaves it: resumable
+    shutil.copytree(single, held)
+    shutil.rmtree(held / "model")
     env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    with exclusive(single):  # another writer holds the run
+    with exclusive(held):  # another writer holds the run
         done = subprocess.run(
-            [sys.executable, "-m", "atrctl", "train", "--nproc", "2", "--resume", str(single)],
+            [sys.executable, "-m", "atrctl", "train", "--nproc", "2", "--resume", str(held)],
             capture_output=True,
             text=True,
             env=env,
             timeout=300,
         )
     assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines() == [f"error: {single} is being written by process {os.getpid()}: "
+    assert done.stderr.strip().splitlines() == [f"error: {held} is being written by process {os.getpid()}: "
                                                 "wait for it to finish, or stop it"]  # fmt: skip
