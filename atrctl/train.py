@@ -13,6 +13,7 @@ gradients are summed over ranks after each mini-batch, and rank 0 alone evaluate
 from __future__ import annotations
 
 import functools
+import json
 import math
 import signal
 import threading
@@ -912,7 +913,7 @@ def check_before_warmup(recipe: Recipe) -> None:
     before anything is written: ATRCTL_THREADS, the memory the step's and the held-out check's samples take
     at the least, and for a preset (whose shape is known before it exists) the LoRA rank and prompt lengths."""
     from atrctl.evaluation import BYTES_PER_SAMPLE, check_fits, check_samples_fit
-    from atrctl.models import MAX_POSITIONS, PRESETS, build_char_tokenizer, requested_threads
+    from atrctl.models import MAX_POSITIONS, PRESETS, requested_threads
 
     requested_threads()
     rollout = recipe.rollout
@@ -926,12 +927,22 @@ def check_before_warmup(recipe: Recipe) -> None:
     lora = lora_settings(recipe.model.lora)
     if lora:
         check_rank(lora["r"], PRESETS[recipe.model.base][0])
-    task = get_task(recipe.task.name, **recipe.task.args)
-    style = prompt_style(task, recipe.task.chat_template, recipe.task.system_prompt, recipe.task.instruction)
-    tokenizer = build_char_tokenizer()
-    problems = problem_pool(task, "train", PROMPT_POOL, recipe.run.seed)
-    problems += problem_pool(task, "test", recipe.eval.problems, recipe.eval.seed)
-    check_lengths(encode_prompts(tokenizer, problems, style), rollout.max_new_tokens, MAX_POSITIONS, LENGTH_FLAG)
+    longest = _longest_preset_prompt(json.dumps(recipe_to_dict(recipe)["task"], sort_keys=True), recipe.run.seed,
+                                     recipe.eval.problems, recipe.eval.seed)  # fmt: skip
+    check_lengths([[0] * longest], rollout.max_new_tokens, MAX_POSITIONS, LENGTH_FLAG)
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_preset_prompt(task_section: str, seed: int, problems: int, eval_seed: int) -> int:
+    """Tokens of the longest prompt a preset sees (its prompt pool and held-out problems): kept per setting, as
+    every arm of a comparison shares it and encoding the pool takes a large part of a second."""
+    from atrctl.models import build_char_tokenizer
+
+    section = json.loads(task_section)
+    task = get_task(section["name"], **section["args"])
+    style = prompt_style(task, section["chat_template"], section["system_prompt"], section["instruction"])
+    pool = problem_pool(task, "train", PROMPT_POOL, seed) + problem_pool(task, "test", problems, eval_seed)
+    return max((len(ids) for ids in encode_prompts(build_char_tokenizer(), pool, style)), default=0)
 
 
 def _probe_loss(recipe: Recipe):
