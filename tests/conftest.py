@@ -1,6 +1,7 @@
 """Shared fixtures."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -20,12 +21,20 @@ def one_cpu_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def warm_bases(tmp_path_factory):
+    """A results folder for the whole session whose bases/ the modules' `results` folders copy from: each
+    distinct base is warmed up once a session (ten modules share two), not once a module."""
+    return tmp_path_factory.mktemp("warm-bases")
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, request):
-    """A results folder holding the one warm base every run of the module starts from: that of the
-    module's own `recipe()` (its fast settings)."""
+def results(tmp_path_factory, request, warm_bases):
+    """A results folder of the module's own holding the one warm base every run of the module starts from: that
+    of the module's own `recipe()` (its fast settings)."""
     from atrctl.base_cache import ensure_base
 
     folder = tmp_path_factory.mktemp("results")
-    ensure_base(request.module.recipe(), folder)
+    base, _ = ensure_base(request.module.recipe(), warm_bases)
+    shutil.copytree(base, folder / "bases" / base.name)
     return folder
