@@ -54,7 +54,7 @@ def sections(recipes: Path = RECIPES) -> list[Section]:
             name,
             _parameters(loss_parameters(name)),
             loss_objective(name),
-            region_doc(name) if name in TRUST_REGIONS else _summary(loss),
+            region_doc(name) if name in TRUST_REGIONS else _summary(loss.function),
         )
         for name, loss in POLICY_LOSSES.items()
     ]

@@ -147,6 +147,59 @@ def _ratio_clip(tokens: Tokens, low: Bound, high: Bound, dual_clip: float | None
     )
 
 
+# ----------------------------------------------------------------- the loss contract
+
+
+LossFunction = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+"""loss(tokens, **params) -> (per-token loss [B, T], clip metrics)."""
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss and what the rest of atrctl reads of it, declared once: recipe validation,
+    `atrctl ls`, export and the integrations read `parameters`; `atrctl ls` reads `objective`; the update's
+    zero-advantage skip reads `needs_every_row`."""
+
+    function: LossFunction
+    parameters: tuple[tuple[str, object], ...]  # keyword parameters and their defaults (None: no default)
+    objective: str = "surrogate"  # its value: -min(w·A, clip(w)·A), so -A at w = 1; or "weighted-logp" (-w·A·logp)
+    needs_every_row: bool = False  # a term without A (say, a penalty on w): rows whose A is 0 still have a gradient
+
+    def __call__(self, tokens: Tokens, **params) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.function(tokens, **params)
+
+
+def define_loss(
+    function: LossFunction, *, parameters_from: tuple[Callable, ...] = (), objective: str = "surrogate",
+    needs_every_row: bool = False,
+) -> PolicyLoss:  # fmt: skip
+    """The PolicyLoss of `function`, its parameters read from its keyword parameters (or from those of
+    `parameters_from`, for a function that passes them on)."""
+    params: dict[str, object] = {}
+    for source in parameters_from or (function,):
+        for parameter in inspect.signature(source).parameters.values():
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY or (
+                parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+                and parameter.default is not inspect.Parameter.empty
+            ):
+                params[parameter.name] = None if parameter.default is inspect.Parameter.empty else parameter.default
+    return PolicyLoss(function, tuple(params.items()), objective, needs_every_row)
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+"""name -> PolicyLoss: every loss a recipe, an arm or an integration may name."""
+
+
+def register_policy_loss(name: str, *, objective: str = "surrogate", needs_every_row: bool = False):
+    """Register the decorated loss function under `name`: one function and this line make a new loss."""
+
+    def register(function: LossFunction) -> LossFunction:
+        POLICY_LOSSES[name] = define_loss(function, objective=objective, needs_every_row=needs_every_row)
+        return function
+
+    return register
+
+
 # ----------------------------------------------------------------- the losses
 
 
@@ -166,18 +219,21 @@ def _trust_region_loss(name: str, tokens: Tokens, *, dual_clip: float | None = N
     return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))
 
 
+@register_policy_loss("tv-band")
 def _tv_band(tokens: Tokens, *, delta: float = 0.2, dual_clip: float | None = None):
     """|p_new - p_old| <= δ per token (DPPO, BandPO); δ = 0.2 matches grpo's l = 0.8 at p_old = 1."""
     low, high = tv_band_bounds(tokens.old_logp, delta)
     return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))
 
 
+@register_policy_loss("kl-band")
 def _kl_band(tokens: Tokens, *, delta: float = 0.1, dual_clip: float | None = None):
     """KL(Bern(p_old) || Bern(p_new)) <= δ per token (DPPO, BandPO); at small p_old it tends to KL3 <= δ/p_old."""
     low, high = kl_band_bounds(tokens.old_logp, delta)
     return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))
 
 
+@register_policy_loss("gspo")
 def _gspo(tokens: Tokens, *, eps_low: float = 3e-4, eps_high: float = 4e-4, dual_clip: float | None = None):
     """GSPO (Zheng et al., 2025): clip the sequence ratio s = exp(mean_t(logp - old_logp)).
 
@@ -196,12 +252,13 @@ def _gspo(tokens: Tokens, *, eps_low: float = 3e-4, eps_high: float = 4e-4, dual
     return loss, clip_fractions(seq_ratio, seq_advantages, low, high, lengths > 0, dual_clip)
 
 
+@register_policy_loss("cispo", objective="weighted-logp")  # -sg(w)·A·logp: -A·logp at w = 1, not -A
 def _cispo(tokens: Tokens, *, eps_low: float = 1.0, eps_high: float = 0.28):
     """CISPO (MiniMax-M1, 2025): -sg(clip(w, 1-ε_low, 1+ε_high))·A·logp.
 
     No token loses its gradient; the clip only caps its weight.  The default ε_low = 1
     (l = 0) follows the paper, which set no lower bound.  Its value is a weighted log-likelihood,
-    not the surrogate's, so it declares `objective` (see `loss_objective`).
+    not the surrogate's, so it declares its `objective`.
     """
     eps_low, eps_high = _check_positive(eps_low, "eps_low"), _check_positive(eps_high, "eps_high")
     low, high = max(0.0, 1.0 - eps_low), 1.0 + eps_high
@@ -212,36 +269,23 @@ def _cispo(tokens: Tokens, *, eps_low: float = 1.0, eps_high: float = 0.28):
     )
 
 
-_cispo.objective = "weighted-logp"  # -sg(w)·A·logp: at w = 1 its value is -A·logp, not -A
-
-
-# name -> loss(tokens, **params) -> (per-token loss [B, T], clip metrics).  Every constant
-# trust region of atrctl.divergence is a loss of the same name; a new one needs no line here.
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    **{name: functools.partial(_trust_region_loss, name) for name in TRUST_REGIONS},
-    "tv-band": _tv_band,
-    "kl-band": _kl_band,
-    "gspo": _gspo,
-    "cispo": _cispo,
-}
+# Every constant trust region of atrctl.divergence is a loss of the same name, with its parameters (and
+# dual_clip): a new region needs no line here.  Registered first, so `atrctl ls` lists them first.
+POLICY_LOSSES.update(
+    {
+        name: define_loss(
+            functools.partial(_trust_region_loss, name), parameters_from=(TRUST_REGIONS[name], _trust_region_loss)
+        )
+        for name in TRUST_REGIONS
+    }
+)
+POLICY_LOSSES.update({name: POLICY_LOSSES.pop(name) for name in ("tv-band", "kl-band", "gspo", "cispo")})
 
 
 def loss_parameters(name: str) -> dict[str, object]:
     """The keyword parameters of the loss `name` and their defaults (None where there is none): what
-    `algo.args` may set.  A constant trust region's come from its `atrctl.divergence` function."""
-    loss = POLICY_LOSSES[name]
-    sources = [loss]
-    if isinstance(loss, functools.partial) and loss.func is _trust_region_loss:
-        sources = [TRUST_REGIONS[loss.args[0]], _trust_region_loss]
-    params = {}
-    for source in sources:
-        for parameter in inspect.signature(source).parameters.values():
-            if parameter.kind is inspect.Parameter.KEYWORD_ONLY or (
-                parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-                and parameter.default is not inspect.Parameter.empty
-            ):
-                params[parameter.name] = None if parameter.default is inspect.Parameter.empty else parameter.default
-    return params
+    `algo.args` may set."""
+    return dict(POLICY_LOSSES[name].parameters)
 
 
 def constant_interval(name: str, params: dict) -> tuple[float, float] | None:
@@ -269,9 +313,8 @@ def flag_parameters(
 
 
 def loss_objective(name: str) -> str:
-    """What a loss's value is: "surrogate" (-min(w·A, clip(w)·A), so -A at w = 1) unless the loss function
-    says otherwise in its `objective` attribute.  Every loss's gradient at w = 1 is -A·∇logp either way."""
-    return getattr(POLICY_LOSSES[name], "objective", "surrogate")
+    """What a loss's value is (`PolicyLoss.objective`); every loss's gradient at w = 1 is -A·∇logp either way."""
+    return POLICY_LOSSES[name].objective
 
 
 def metric_reduction(name: str) -> str:
@@ -458,21 +501,24 @@ def token_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tenso
     return LossOutput(token_loss, _metrics(tokens, aggregate(token_loss, tokens.mask), clip_metrics, {}))
 
 
-def check_loss(algo: str, agg: str = "token-mean", **params) -> None:
-    """Raise (ValueError, or TypeError for a value of the wrong kind) unless the loss `algo` with `params` and
-    the aggregation `agg` are valid: one token goes through `policy_loss`, so every check a loss makes of its
-    values runs, before a trainer starts."""
+def check_loss(
+    algo: str, agg: str = "token-mean", *, max_new_tokens: int = 1, beta: float = 0.0, kl_estimator: str = "k3",
+    entropy_coef: float = 0.0, **params,
+) -> LossOutput:  # fmt: skip
+    """The one probe of a loss, before anything trains (recipe validation, the TRL trainer, verl's registration,
+    export): one token goes through `policy_loss` with every term the run will use, so every check a loss, its
+    aggregation and its penalties make of their values runs (ValueError, or TypeError for a value of the wrong
+    kind), and the metrics it returns are the ones a run logs."""
     probe = torch.zeros(1, 1)
-    policy_loss(probe, probe, torch.zeros(1), torch.ones(1, 1), algo=algo, agg=agg, max_new_tokens=1, **params)
+    return policy_loss(
+        probe, probe, torch.zeros(1), torch.ones(1, 1), algo=algo, agg=agg, max_new_tokens=max_new_tokens,
+        ref_logp=probe if beta > 0 else None, beta=beta, kl_estimator=kl_estimator, entropy=probe,
+        entropy_coef=entropy_coef, **params,
+    )  # fmt: skip
 
 
 def _check_params(algo: str, params: dict) -> None:
-    """Unknown parameter names fail loudly, naming the ones the loss takes (`loss_parameters`); a loss that
-    takes **kwargs checks its own."""
-    loss = POLICY_LOSSES[algo]
-    direct = inspect.signature(loss).parameters.values() if not isinstance(loss, functools.partial) else ()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in direct):
-        return
+    """Unknown parameter names fail loudly, naming the ones the loss declares (`loss_parameters`)."""
     names = list(loss_parameters(algo))
     for name in params:
         if name not in names:

@@ -63,7 +63,14 @@ from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
 from atrctl.decoder_pass import compile_policy
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
-from atrctl.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, metric_reduction, policy_loss
+from atrctl.losses import (
+    POLICY_LOSSES,
+    aggregation_normaliser,
+    check_loss,
+    finish_metrics,
+    metric_reduction,
+    policy_loss,
+)
 from atrctl.models import Numerics, sized_micro_batch, update_budget
 from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, model_positions, prompt_style
 from atrctl.reporting import Reporters, check_installed, held_out_table, reporter_names
@@ -548,7 +555,7 @@ def skips_zero_advantage(algo: AlgoConfig) -> bool:
     """Whether the update leaves out rows with advantage 0 (`AlgoConfig.skip_zero_advantage`).  Every
     registered loss is a multiple of A token by token, so such a row's policy-loss gradient is exactly 0;
     the KL penalty and the entropy bonus are not, and a loss that declares `needs_every_row` is not either."""
-    needed = algo.beta > 0 or algo.entropy_coef != 0 or getattr(POLICY_LOSSES[algo.loss], "needs_every_row", False)
+    needed = algo.beta > 0 or algo.entropy_coef != 0 or POLICY_LOSSES[algo.loss].needs_every_row
     return algo.skip_zero_advantage and not needed
 
 
@@ -946,23 +953,11 @@ def _longest_preset_prompt(task_section: str, seed: int, problems: int, eval_see
 
 
 def _probe_loss(recipe: Recipe):
-    """The recipe's policy loss on one token: it raises on bad parameters, and its metrics name the loss's."""
-    algo, probe = recipe.algo, torch.zeros(1, 1)
-    return policy_loss(
-        probe,
-        probe,
-        torch.zeros(1),
-        torch.ones(1, 1),
-        algo=algo.loss,
-        agg=algo.agg,
-        max_new_tokens=recipe.rollout.max_new_tokens,
-        ref_logp=probe if algo.beta > 0 else None,
-        beta=algo.beta,
-        kl_estimator=algo.kl_estimator,
-        entropy=probe,
-        entropy_coef=algo.entropy_coef,
-        **algo.args,
-    )
+    """The recipe's policy loss on one token (`losses.check_loss`): it raises on bad parameters, and its metrics
+    name the loss's."""
+    algo = recipe.algo
+    return check_loss(algo.loss, algo.agg, max_new_tokens=recipe.rollout.max_new_tokens, beta=algo.beta,
+                      kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef, **algo.args)  # fmt: skip
 
 
 def _metric_names(recipe: Recipe) -> list[str]:

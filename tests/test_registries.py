@@ -14,7 +14,7 @@ from atrctl.cli import main
 from atrctl.config import RolloutConfig, RunConfig, load_recipe
 from atrctl.divergence import TRUST_REGIONS, region_defaults
 from atrctl.errors import UserError
-from atrctl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, clip_fractions, clipped_surrogate
+from atrctl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, clip_fractions, clipped_surrogate, define_loss
 from atrctl.models import ARCHS, DTYPES
 from atrctl.rollout import ROLLOUT_BACKENDS
 from atrctl.tasks import TASKS
@@ -116,7 +116,7 @@ def test_a_registered_loss_and_estimator_train_end_to_end(results, monkeypatch):
         """A throwaway estimator: the sign of each reward's distance to its group mean."""
         return torch.sign(rewards - rewards.mean(dim=1, keepdim=True))
 
-    monkeypatch.setitem(POLICY_LOSSES, "halved-clip", halved_clip)
+    monkeypatch.setitem(POLICY_LOSSES, "halved-clip", define_loss(halved_clip))
     monkeypatch.setitem(ADVANTAGE_ESTIMATORS, "sign", sign)
     summary = train(
         recipe("algo.loss=halved-clip", "algo.advantage=sign", "algo.args.eps=0.25"),

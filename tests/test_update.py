@@ -7,7 +7,7 @@ import torch
 from atrctl import train as train_module
 from atrctl.config import load_recipe
 from atrctl.forward import completion_logprobs
-from atrctl.losses import POLICY_LOSSES, loss_parameters, policy_loss
+from atrctl.losses import POLICY_LOSSES, define_loss, loss_parameters, policy_loss
 from atrctl.train import build_run, recomputes_old_logprobs, rollout_step, skips_zero_advantage, update_step
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
@@ -114,8 +114,7 @@ def test_rows_are_skipped_only_where_no_other_term_needs_them():
 
 
 def test_a_loss_that_needs_every_row_says_so(monkeypatch):
-    needy = lambda tokens: (tokens.ratio - 1, {})  # noqa: E731 - a term without A
-    needy.needs_every_row = True
+    needy = define_loss(lambda tokens: (tokens.ratio - 1, {}), needs_every_row=True)  # a term without A
     monkeypatch.setitem(POLICY_LOSSES, "needy", needy)
     assert not skips_zero_advantage(recipe("algo.loss=needy").algo)
     assert train_module.skips_zero_advantage(recipe("algo.loss=grpo").algo)
