@@ -1,0 +1,145 @@
+"""`atrctl eval`: pass@k, avg@n, maj@k and greedy accuracy of a run or a model."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from atrctl import numbers
+from atrctl.cli.options import DEVICE_HELP, EVALUATION, NprocOption, check_nproc
+from atrctl.destinations import check_destination
+from atrctl.display import console
+from atrctl.errors import UserError
+
+
+def eval_command(
+    ctx: typer.Context,
+    target: Annotated[str, typer.Argument(help="A run directory, a model directory or a hub name.")],
+    task: Annotated[str | None, typer.Option(help=r"Task \[default: the run's]; required for a model.")] = None,
+    task_arg: Annotated[
+        list[str] | None, typer.Option("--task-arg", help="Task parameter key=value, e.g. digits=2 (repeatable).")
+    ] = None,
+    split: Annotated[str, typer.Option(help="Problem split: test or train.")] = "test",
+    n: Annotated[
+        int,
+        typer.Option(
+            "--n",
+            "--samples",
+            help="Samples per problem (--samples under torchrun, which takes --n); " + EVALUATION["eval"].why,
+        ),
+    ] = EVALUATION["eval"].n,
+    k: Annotated[str | None, typer.Option("--k", help=r"Comma-separated k's \[default: 1, 2, 4, ... and n].")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature, at least 0.001.")] = 1.0,
+    problems: Annotated[int, typer.Option(help="Problems to evaluate (drawn with the run's eval.seed).")] = EVALUATION[
+        "eval"
+    ].problems,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    device: Annotated[str, typer.Option(help=f"{DEVICE_HELP}.")] = "auto",
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help=r"Longest completion \[default: the run's rollout.max_new_tokens].")
+    ] = None,
+    batch_size: Annotated[
+        int, typer.Option(help="Completions per sampling batch; 0 sizes it from the model's KV cache (≤ 1024).")
+    ] = 0,
+    out: Annotated[
+        Path | None, typer.Option(help=r"Output folder \[default: <run>/eval, results/eval-<model>].")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing evaluation in the output folder.")] = False,
+    chat_template: Annotated[
+        bool | None,
+        typer.Option(
+            "--chat-template/--no-chat-template", help=r"Wrap prompts in the chat template \[default: the run's; off]."
+        ),
+    ] = None,
+    system_prompt: Annotated[
+        str | None, typer.Option(help=r"Chat system message \[default: the run's; the template's own].")
+    ] = None,
+    instruction: Annotated[
+        str | None,
+        typer.Option(help=r"Line after each problem; 'auto': the task format's, '': none \[default: the run's; auto]."),
+    ] = None,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest set of tokens of this mass.")] = 1.0,
+    completions: Annotated[
+        str,
+        typer.Option(help="Sampled completions per problem written to samples.jsonl (with the greedy one), or 'all'."),
+    ] = "4",
+    nproc: NprocOption = None,
+) -> None:
+    """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy: table, CSV, markdown and plot.
+
+    Under torchrun (or --nproc) each process samples a share of the problems; rank 0 alone writes and prints."""
+    from atrctl import display, distributed
+    from atrctl.config import parse_task_args
+    from atrctl.evaluation import eval_target, parse_ks, run_evaluation
+    from atrctl.rundir import has_evaluation
+
+    for value, flag, example in (
+        (n, "--n", 256),
+        (problems, "--problems", 200),
+        (max_new_tokens, "--max-new-tokens", 0),
+    ):
+        if value is not None and value < 1:
+            hint = f"; e.g. {flag} {example}" if example else ""
+            raise UserError(f"{flag} must be at least 1 (got {value}){hint}")
+    if batch_size < 0:
+        raise UserError(f"--batch-size must be at least 0 (got {batch_size}); 0 sizes it from the model")
+    check_nproc(nproc)
+    numbers.temperature(temperature, "--temperature")
+    numbers.top_p(top_p, "--top-p")
+    numbers.seed(seed, "--seed")
+    ks = parse_ks(k, n)
+    if completions != "all" and not (completions.isdigit() and completions.isascii()):
+        raise UserError(f"--completions {completions!r}: give a count (e.g. 4, or 0 for the greedy ones only) or 'all'")
+    keep = None if completions == "all" else int(completions)
+    prompt = dict(chat_template=chat_template, system_prompt=system_prompt, instruction=instruction)
+    spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out, **prompt)
+    check_destination(spec.directory, "--out")
+    if has_evaluation(spec.directory) and not overwrite:
+        raise UserError(
+            f"{spec.directory} already holds an evaluation; pass --overwrite to replace it or --out elsewhere"
+        )
+    reported = _reported_run(target, spec.directory)  # its trackers get the table too; checked before sampling
+    if nproc is not None and nproc > 1:
+        raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
+
+    display.quiet_libraries()
+    settings = dict(
+        split=split,
+        problems=problems,
+        n=n,
+        ks=ks,
+        temperature=temperature,
+        seed=seed,
+        device=device,
+        batch_size=batch_size,
+        top_p=top_p,
+        keep=keep,
+    )
+    with display.sampling_bar(problems) if distributed.is_main() else nullcontext() as on_progress:
+        done = run_evaluation(spec, target, **settings, on_progress=on_progress)
+    if done is None:  # a rank other than 0: rank 0 prints
+        return
+    result, setting, paths = done
+    if reported is not None:
+        from atrctl.reporting import report_evaluation
+
+        report_evaluation(reported, spec.directory / "passk.csv")
+    console.print(display.passk_table(result.summary(ks), ks, f"pass@k: {setting}"))
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _reported_run(target: str, out: Path) -> Path | None:
+    """The run whose own eval/ an evaluation writes, when its recipe names trackers (their libraries checked)."""
+    from atrctl.reporting import check_installed, reporter_names
+    from atrctl.rundir import RunDir
+
+    run = RunDir(target)
+    if not run.config.is_file() or Path(out).resolve() != run.eval.resolve():
+        return None
+    recipe = run.recipe()
+    names = reporter_names(recipe.run)
+    check_installed(names, run.path)
+    return run.path if names else None
