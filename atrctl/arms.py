@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from atrctl.config import Recipe, read_value, recipe_from_dict, recipe_to_dict
+from atrctl.core.losses import POLICY_LOSSES, loss_parameters
 from atrctl.errors import UserError
-from atrctl.losses import POLICY_LOSSES, loss_parameters
 from atrctl.numbers import loss_value
 from atrctl.rundir import RunDir
 

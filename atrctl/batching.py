@@ -22,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from atrctl.core.seeds import derive_seed
 from atrctl.rollout import Rollout
-from atrctl.seeds import derive_seed
 
 
 def rank_positions(prompts: int, minibatches: int, world: int, rank: int) -> list[int]:

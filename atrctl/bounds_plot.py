@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and no global pyplot state
 
-from atrctl.divergence import kl2, kl3, kl3_bounds, ratio_deviation, reverse_kl3, trust_region
+from atrctl.core.divergence import kl2, kl3, kl3_bounds, ratio_deviation, reverse_kl3, trust_region
 
 CURVES = (  # (label, measure, trust-region name whose interval it draws, colour)
     ("kl3 = w−1−ln w  (atr)", kl3, "atr", "tab:red"),

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from atrctl.divergence import trust_region
+from atrctl.core.divergence import trust_region
 from atrctl.errors import UserError
 
 SWEEP_DELTAS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)

@@ -359,8 +359,8 @@ def trust_region_args(max_kl3: float | None, eps: float | None, eps_high: float 
     """The shared --max-kl3 / --eps / --eps-high flags as parameters of every constant trust region that takes
     them (atr's max_kl3, grpo's eps, dapo's eps_low / eps_high); other losses keep their own defaults (gspo's
     sequence-level ε is a different scale).  Recorded in compare.json, whichever arms are trained."""
-    from atrctl.divergence import TRUST_REGIONS, region_defaults
-    from atrctl.losses import flag_parameters
+    from atrctl.core.divergence import TRUST_REGIONS, region_defaults
+    from atrctl.core.losses import flag_parameters
 
     args = {}
     for name in TRUST_REGIONS:
@@ -457,8 +457,8 @@ def run_comparison(
     continue from their checkpoints, and rerunning the same plan redoes only what is missing.  One
     process at a time: a second one on the same comparison is refused.
     """
+    from atrctl.core.passk import default_ks
     from atrctl.eval_report import write_eval
-    from atrctl.passk import default_ks
     from atrctl.reporting import report_evaluation
 
     def show(key: str, description: str, done: int, total: int, note: str = "") -> None:
@@ -525,7 +525,7 @@ def write_compare_report(
 def _drawn_regions(comparison: Comparison) -> tuple[list[float], float]:
     """The trust regions the report's figure draws: every atr arm's δ and the first grpo arm's ε (the
     defaults where no arm trains that loss)."""
-    from atrctl.losses import loss_parameters
+    from atrctl.core.losses import loss_parameters
 
     def resolved(loss: str) -> list[dict]:
         return [

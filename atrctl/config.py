@@ -260,9 +260,9 @@ _CHOICES = {
     ("model", "autocast"): lambda: ("auto", "bfloat16", "off"),
     ("model", "shard"): lambda: ("none", "fsdp"),
     ("rollout", "backend"): _registry("atrctl.rollout", "ROLLOUT_BACKENDS"),
-    ("algo", "advantage"): _registry("atrctl.advantages", "ADVANTAGE_ESTIMATORS"),
-    ("algo", "agg"): _registry("atrctl.losses", "AGGREGATIONS"),
-    ("algo", "kl_estimator"): _registry("atrctl.losses", "KL_ESTIMATORS"),
+    ("algo", "advantage"): _registry("atrctl.core.advantages", "ADVANTAGE_ESTIMATORS"),
+    ("algo", "agg"): _registry("atrctl.core.losses", "AGGREGATIONS"),
+    ("algo", "kl_estimator"): _registry("atrctl.core.losses", "KL_ESTIMATORS"),
     ("algo", "old_logprobs"): lambda: ("auto", "sampler", "recompute"),
     ("optim", "schedule"): lambda: ("constant", "cosine"),
 }
@@ -426,7 +426,7 @@ def _check_loss_args(algo: AlgoConfig) -> None:
     which lists the ones it does."""
     if not algo.args:
         return
-    from atrctl.losses import POLICY_LOSSES, loss_parameters
+    from atrctl.core.losses import POLICY_LOSSES, loss_parameters
 
     defaults = loss_parameters(algo.loss) if algo.loss in POLICY_LOSSES else {}
     for key, value in algo.args.items():
@@ -519,7 +519,7 @@ def load_recipe_with_flags(
     """`load_recipe` with a command's flags applied after the file and before its --set overrides (flags
     that are None are not given); --max-kl3 / --eps / --eps-high become parameters of whichever loss the
     recipe ends up with (`losses.flag_parameters`)."""
-    from atrctl.losses import POLICY_LOSSES, flag_parameters
+    from atrctl.core.losses import POLICY_LOSSES, flag_parameters
 
     common = [f"{key}={value}" for key, value in flags.items() if value is not None]
     loss = load_recipe(path, [*common, *sets]).algo.loss

@@ -10,8 +10,8 @@ import pandas as pd
 from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and no global pyplot state
 
 from atrctl import atomic
+from atrctl.core.passk import EvalResult, avg_at_n
 from atrctl.errors import UserError
-from atrctl.passk import EvalResult, avg_at_n
 
 COLUMNS = ("k", "pass@k", "ci_low", "ci_high", "maj@k")
 Curve = tuple[str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]  # label, ks, mean, low, high

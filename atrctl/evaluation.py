@@ -3,7 +3,7 @@
 `evaluate_model` samples and scores (sharded over ranks under torchrun); `evaluate_target` is the one
 path that evaluates a run directory or a model directory, used by `atrctl eval` and by `atrctl compare`
 alike; `run_evaluation` is `atrctl eval` without its display.  The figures themselves are
-`atrctl.passk`'s pure functions.
+`atrctl.core.passk`'s pure functions.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from atrctl import distributed
+from atrctl.core.passk import EvalResult, default_ks
+from atrctl.core.seeds import derive_seed
 from atrctl.errors import UserError
-from atrctl.passk import EvalResult, default_ks
 from atrctl.prompts import PLAIN, PromptStyle
 from atrctl.rundir import RunDir
-from atrctl.seeds import derive_seed
 from atrctl.tasks import Problem, Task
 
 DEFAULT_KEEP = 4  # sampled completions per problem written to samples.jsonl (beside its greedy one)

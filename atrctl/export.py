@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 
 from atrctl.arms import Arm
+from atrctl.core.losses import check_loss, constant_interval, loss_parameters
 from atrctl.errors import UserError
-from atrctl.losses import check_loss, constant_interval, loss_parameters
 
 TARGETS = ("trl", "verl")
 

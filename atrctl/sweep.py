@@ -17,8 +17,8 @@ from typing import Any
 from atrctl.arms import Arm, arm_text, as_number, format_value, parse_arm
 from atrctl.compare import Comparison, plan_comparison
 from atrctl.config import read_value
+from atrctl.core.losses import POLICY_LOSSES
 from atrctl.errors import UserError
-from atrctl.losses import POLICY_LOSSES
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,8 @@ def training_stats(directory: Path) -> dict[str, float]:
 
 def region_of(recipe) -> tuple[float, float] | None:
     """The constant ratio interval [l, u] a run trained with, where its loss has one (the trust regions of
-    `atrctl.divergence`, and cispo's weight clip); None for per-token bands and sequence-level clips."""
-    from atrctl.losses import constant_interval, loss_parameters
+    `atrctl.core.divergence`, and cispo's weight clip); None for per-token bands and sequence-level clips."""
+    from atrctl.core.losses import constant_interval, loss_parameters
 
     loss, args = recipe.algo.loss, {**loss_parameters(recipe.algo.loss), **recipe.algo.args}
     if (interval := constant_interval(loss, args)) is not None:

@@ -36,7 +36,6 @@ from atrctl.adapters import (
     trained_parameters,
     write_final_model,
 )
-from atrctl.advantages import group_advantages
 from atrctl.batching import (
     concat_rollouts,
     micro_batches,
@@ -60,10 +59,8 @@ from atrctl.checkpoint import (
     write_checkpoint,
 )
 from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
-from atrctl.decoder_pass import compile_policy
-from atrctl.errors import UserError
-from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
-from atrctl.losses import (
+from atrctl.core.advantages import group_advantages
+from atrctl.core.losses import (
     POLICY_LOSSES,
     aggregation_normaliser,
     check_loss,
@@ -71,6 +68,10 @@ from atrctl.losses import (
     metric_reduction,
     policy_loss,
 )
+from atrctl.core.seeds import derive_seed
+from atrctl.decoder_pass import compile_policy
+from atrctl.errors import UserError
+from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
 from atrctl.models import Numerics, sized_micro_batch, update_budget
 from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, model_positions, prompt_style
 from atrctl.reporting import Reporters, check_installed, held_out_table, reporter_names
@@ -78,7 +79,6 @@ from atrctl.rollback import Snapshot
 from atrctl.rollout import NonFiniteProbabilities, Rollout, RolloutBackend, decode_completions
 from atrctl.rundir import RunDir, bases_folder, environment, exclusive
 from atrctl.scoring import mean_reward, sampled_scores
-from atrctl.seeds import derive_seed
 from atrctl.sharding import (
     GatheredSampler,
     check_can_shard,

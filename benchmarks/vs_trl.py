@@ -133,7 +133,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
-    from atrctl.divergence import trust_region
+    from atrctl.core.divergence import trust_region
     from atrctl.models import numerics
     from atrctl.tasks import get_task, problem_pool
     from atrctl.train import PROMPT_POOL, prompts_for_step

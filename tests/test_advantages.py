@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from atrctl.advantages import ADVANTAGE_ESTIMATORS, group_advantages
+from atrctl.core.advantages import ADVANTAGE_ESTIMATORS, group_advantages
 
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [2.0, 4.0, 6.0, 8.0]]
 

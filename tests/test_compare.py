@@ -10,8 +10,8 @@ from atrctl.cli import main
 from atrctl.compare import Arm, parse_arms
 from atrctl.compare_report import comparison_table, interval, table_markdown, two_level_bootstrap
 from atrctl.config import load_recipe
+from atrctl.core.passk import EvalResult
 from atrctl.errors import UserError
-from atrctl.passk import EvalResult
 
 
 def result(correct_per_problem, n, greedy, seed=0):

@@ -32,8 +32,8 @@ from atrctl.batching import (
     trimmed,
 )
 from atrctl.config import load_recipe
+from atrctl.core.losses import aggregation_normaliser
 from atrctl.errors import UserError
-from atrctl.losses import aggregation_normaliser
 from atrctl.models import build_char_tokenizer, build_model
 from atrctl.rollout import Rollout
 from atrctl.train import train, validate_algo

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from atrctl import divergence as dv
+from atrctl.core import divergence as dv
 
 DELTAS = np.geomspace(1e-8, 50, 400)
 

@@ -6,9 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from atrctl.evaluation import evaluate_model
-from atrctl.models import build_char_tokenizer, build_model
-from atrctl.passk import (
+from atrctl.core.passk import (
     EvalResult,
     avg_at_n,
     bootstrap_ci,
@@ -18,6 +16,8 @@ from atrctl.passk import (
     pass_at_k,
     pass_at_k_per_problem,
 )
+from atrctl.evaluation import evaluate_model
+from atrctl.models import build_char_tokenizer, build_model
 from atrctl.tasks import Score, get_task
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from atrctl.arms import parse_arm
 from atrctl.cli import main
-from atrctl.divergence import equivalent_clip, trust_region
+from atrctl.core.divergence import equivalent_clip, trust_region
 from atrctl.errors import UserError
 from atrctl.export import constant_region, export
 

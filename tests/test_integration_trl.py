@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from atrctl.divergence import equivalent_clip, kl3_bounds, trust_region
+from atrctl.core.divergence import equivalent_clip, kl3_bounds, trust_region
 from atrctl.errors import UserError
 from atrctl.models import build_char_tokenizer, build_model
 

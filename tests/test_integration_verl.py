@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from atrctl.divergence import equivalent_clip
+from atrctl.core.divergence import equivalent_clip
 
 core = pytest.importorskip("verl.trainer.ppo.core_algos")
 from verl.workers.config import ActorConfig  # noqa: E402

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from atrctl.bands import kl_band_bounds, tv_band_bounds
-from atrctl.divergence import kl3_bounds
-from atrctl.losses import (
+from atrctl.core.bands import kl_band_bounds, tv_band_bounds
+from atrctl.core.divergence import kl3_bounds
+from atrctl.core.losses import (
     AGGREGATIONS,
     LOG_RATIO_LIMIT,
     POLICY_LOSSES,

@@ -8,13 +8,20 @@ import torch
 
 from atrctl import config
 from atrctl import train as train_module
-from atrctl.advantages import ADVANTAGE_ESTIMATORS
 from atrctl.catalog import sections
 from atrctl.cli import main
 from atrctl.config import RolloutConfig, RunConfig, load_recipe
-from atrctl.divergence import TRUST_REGIONS, region_defaults
+from atrctl.core.advantages import ADVANTAGE_ESTIMATORS
+from atrctl.core.divergence import TRUST_REGIONS, region_defaults
+from atrctl.core.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    clip_fractions,
+    clipped_surrogate,
+    define_loss,
+)
 from atrctl.errors import UserError
-from atrctl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, clip_fractions, clipped_surrogate, define_loss
 from atrctl.models import ARCHS, DTYPES
 from atrctl.rollout import ROLLOUT_BACKENDS
 from atrctl.tasks import TASKS

@@ -288,7 +288,7 @@ def test_a_band_whose_bounds_would_be_nan_or_cross_1_is_refused(workspace, capsy
     ],
 )
 def test_the_python_losses_take_no_string_for_a_number(loss, params):
-    from atrctl.losses import check_loss
+    from atrctl.core.losses import check_loss
 
     with pytest.raises((TypeError, ValueError), match="must be a number"):
         check_loss(loss, **params)

@@ -16,9 +16,9 @@ from atrctl.base_cache import base_key
 from atrctl.cli import main
 from atrctl.compare import check_kept_runs, plan_comparison, prepare, trained_recipe
 from atrctl.config import load_recipe
+from atrctl.core.passk import EvalResult
 from atrctl.errors import UserError
 from atrctl.eval_report import RESULT_ARRAYS, RESULT_RECORD, load_result, save_result
-from atrctl.passk import EvalResult
 from atrctl.records import DamagedFile
 from atrctl.rundir import RunDir
 

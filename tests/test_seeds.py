@@ -2,7 +2,7 @@
 
 import pytest
 
-from atrctl.seeds import SEED_MODULUS, derive_seed
+from atrctl.core.seeds import SEED_MODULUS, derive_seed
 
 
 def test_the_formula_by_hand():

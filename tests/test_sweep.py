@@ -8,7 +8,7 @@ import pytest
 from atrctl import compare
 from atrctl.cli import main
 from atrctl.config import load_recipe
-from atrctl.divergence import kl3_bounds
+from atrctl.core.divergence import kl3_bounds
 from atrctl.errors import UserError
 from atrctl.sweep import Grid, grid_points, parse_grid, plan_sweep
 from atrctl.sweep_report import _is_log_axis, region_of

@@ -30,8 +30,8 @@ from atrctl.checkpoint import (
 )
 from atrctl.cli import main
 from atrctl.config import AlgoConfig, load_recipe, recipe_from_dict
+from atrctl.core.losses import LossOutput
 from atrctl.errors import UserError
-from atrctl.losses import LossOutput
 from atrctl.models import Numerics, build_char_tokenizer
 from atrctl.sampling import HFSampler
 from atrctl.train import STEP_PHASES, TrainingStopped, lr_at, prompts_for_step, recomputes_old_logprobs, train

@@ -6,8 +6,8 @@ import torch
 
 from atrctl import train as train_module
 from atrctl.config import load_recipe
+from atrctl.core.losses import POLICY_LOSSES, define_loss, loss_parameters, policy_loss
 from atrctl.forward import completion_logprobs
-from atrctl.losses import POLICY_LOSSES, define_loss, loss_parameters, policy_loss
 from atrctl.train import build_run, recomputes_old_logprobs, rollout_step, skips_zero_advantage, update_step
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",

@@ -22,8 +22,8 @@ def export(
 ) -> None:
     """Print the settings that train a loss inside TRL or verl (e.g. `atrctl export --to verl --max-kl3 0.05`)."""
     from atrctl.arms import arm_text, parse_arm
+    from atrctl.core.losses import flag_parameters, loss_parameters
     from atrctl.export import export as snippet
-    from atrctl.losses import flag_parameters, loss_parameters
 
     parsed = parse_arm(arm)
     if parsed.loss is None:

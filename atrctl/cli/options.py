@@ -12,8 +12,8 @@ import typer
 
 from atrctl import __version__
 from atrctl.bounds_table import FIGURE_FORMATS
+from atrctl.core.divergence import region_defaults
 from atrctl.display import console
-from atrctl.divergence import region_defaults
 from atrctl.errors import UserError
 from atrctl.models import DEVICES
 

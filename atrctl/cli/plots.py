@@ -25,7 +25,7 @@ def plot_bounds(
 ) -> None:
     """Show the ratio interval each divergence constraint implies: table, CSV and figure."""
     from atrctl import display
-    from atrctl.divergence import MAX_KL3, MIN_KL3
+    from atrctl.core.divergence import MAX_KL3, MIN_KL3
 
     for delta in max_kl3:
         if not MIN_KL3 <= positive(delta, "--max-kl3") <= MAX_KL3:

@@ -8,7 +8,7 @@ Two ways in, from the least to the most invasive:
 - Anything else — a per-token band (tv-band, kl-band), gspo, cispo, a `divergence` measure, another
   aggregation — and atrctl's diagnostics: `AtrctlGRPOTrainer(..., atrctl_loss="tv-band",
   loss_params={"delta": 0.2})` replaces only the policy loss of TRL's `_compute_loss` with
-  `atrctl.losses.policy_loss` and logs its metrics (clip/low, clip/high, clip/region, kl3/mean, ratio/min,
+  `atrctl.core.losses.policy_loss` and logs its metrics (clip/low, clip/high, clip/region, kl3/mean, ratio/min,
   ratio/max, the p_old bins) under `atrctl/…` through TRL's own logging, so they reach every `report_to` sink.
 
     from atrctl.integrations.trl import atr_grpo_config
@@ -21,16 +21,16 @@ import functools
 
 import torch
 
-from atrctl.divergence import trust_region
+from atrctl.core.divergence import trust_region
+from atrctl.core.losses import check_loss, finish_metrics, metric_reduction, policy_loss
 from atrctl.integrations import require
-from atrctl.losses import check_loss, finish_metrics, metric_reduction, policy_loss
 
 WHAT, INSTALL = "atrctl.integrations.trl", 'pip install torch==2.13.0 -e ".[trl]"'
 
 
 def region_grpo_config(name: str = "atr", region: dict | None = None, **config):
     """A `trl.GRPOConfig` whose clip range is the constant trust region `name` with parameters `region`
-    (`atrctl.divergence.trust_region`), with TRL's token-mean clipped loss ("dapo") unless `loss_type` is given;
+    (`atrctl.core.divergence.trust_region`), with TRL's token-mean clipped loss ("dapo") unless `loss_type` is given;
     every other keyword goes to GRPOConfig as it is."""
     trl = require("trl", INSTALL, WHAT)
     clashing = sorted({"epsilon", "epsilon_high"} & set(config))

@@ -16,9 +16,9 @@ verl already has (gspo, cispo) keep verl's implementation; an arm of them (`gspo
 
 from __future__ import annotations
 
+from atrctl.core.losses import POLICY_LOSSES, check_loss, finish_metrics, loss_parameters, token_losses
 from atrctl.errors import UserError
 from atrctl.integrations import require
-from atrctl.losses import POLICY_LOSSES, check_loss, finish_metrics, loss_parameters, token_losses
 
 WHAT = "atrctl.integrations.verl"
 INSTALL = "pip install verl (or only its loss code: pip install --no-deps -r requirements/verl-loss.txt)"
