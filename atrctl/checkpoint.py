@@ -76,8 +76,9 @@ def checkpoint_contents(model, optimizer) -> tuple[dict[str, torch.Tensor], dict
     """(trained weights on the CPU, optimiser state) to checkpoint.  Every rank calls it (a sharded model is
     gathered: a collective); the contents come back on rank 0, None on the others."""
     from atrctl import distributed, sharding
+    from atrctl.models import is_sharded
 
-    if sharding.is_sharded(model):
+    if is_sharded(model):
         return sharding.full_contents(model, optimizer)
     if not distributed.is_main():
         return None
@@ -160,8 +161,9 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
     """Load weights and optimiser state in place (every rank, sharded or not); return the saved TrainState."""
     from atrctl import sharding
     from atrctl.adapters import trains_adapters
+    from atrctl.models import is_sharded
 
-    state, sharded = read_state(directory), sharding.is_sharded(model)
+    state, sharded = read_state(directory), is_sharded(model)
     expected = "lora" if trains_adapters(model) else "full"
     if state.weights != expected:  # before reading a byte of weights: say what differs, not which names are missing
         raise UserError(

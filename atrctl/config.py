@@ -350,8 +350,6 @@ def _check_value(section: str, key: str, value: Any) -> None:
     if (section, key) in _FRACTIONS and not 0 < value <= 1:
         raise UserError(f"{where} must be in (0, 1], got {value}")
     if (section, key) == ("run", "report_to"):
-        from atrctl.reporting import check_report_to
-
         check_report_to(value)
     if (section, key) == ("model", "lora"):
         from atrctl.adapters import lora_settings
@@ -386,6 +384,22 @@ def loads_toml(text: str, what: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except RecursionError:
         raise _too_deep(what) from None
+
+
+TRACKERS = ("tensorboard", "wandb")
+"""The names run.report_to takes; `reporting.REPORTERS` implements one each (a test checks that they agree).
+Kept here, where recipes are read, so that checking a recipe needs no tracker code."""
+
+
+def check_report_to(names: typing.Sequence[str]) -> None:
+    """run.report_to names known trackers, each once (checked while the recipe is read)."""
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise UserError(f'run.report_to must be a list of tracker names such as ["wandb"], got {names!r}')
+    for name in names:
+        if name not in TRACKERS:
+            raise UserError(f"run.report_to: '{name}' is not one of {', '.join(TRACKERS)}")
+    if len(set(names)) < len(names):
+        raise UserError(f"run.report_to names a tracker twice: {names}")
 
 
 def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:

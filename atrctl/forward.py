@@ -120,7 +120,7 @@ def _completion_states(
     alone.  Two passes differ by rounding, and under bf16 that rounding made the KL term of identical
     weights nonzero noise, which AdamW scales into full-sized steps (seen with a policy under activation
     checkpointing, which keeps transformers' forward, against a reference on the decoder pass)."""
-    from atrctl.sharding import is_sharded
+    from atrctl.models import is_sharded
 
     if is_sharded(path_of):  # FSDP: one pass of the root model (it gathers the embedding and head) on every rank
         if head_is_linear(model):

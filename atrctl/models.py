@@ -379,3 +379,11 @@ def requested_threads() -> int | None:
         raise UserError(f"ATRCTL_THREADS='{env[:20]}' is not a whole number from 1 to {usable_cpus()} (the CPUs "
                         "this process may use): set it to e.g. 2 or unset it")  # fmt: skip
     return int(env)
+
+
+def is_sharded(model) -> bool:
+    """Whether `model` is an FSDP2-sharded module (`sharding.shard_model`): a fact about the model, which the
+    forward pass, checkpoints and the update each ask."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)

@@ -46,17 +46,6 @@ def reporter_names(run: RunConfig) -> list[str]:
     return list(dict.fromkeys([*run.report_to, *(["tensorboard"] if run.tensorboard else [])]))
 
 
-def check_report_to(names: Sequence[str]) -> None:
-    """run.report_to names known trackers, each once (checked while the recipe is read)."""
-    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-        raise UserError(f'run.report_to must be a list of tracker names such as ["wandb"], got {names!r}')
-    for name in names:
-        if name not in REPORTERS:
-            raise UserError(f"run.report_to: '{name}' is not one of {', '.join(REPORTERS)}")
-    if len(set(names)) < len(names):
-        raise UserError(f"run.report_to names a tracker twice: {names}")
-
-
 def check_installed(names: Sequence[str], run_path: Path | None = None) -> None:
     """Each tracker's library imports, and the W&B id a run at `run_path` kept reads; else one line saying
     what to do (checked before anything is written)."""

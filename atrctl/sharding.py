@@ -57,12 +57,6 @@ def check_can_shard(shard: str, world: int, lora: bool, compiled: bool = False) 
         )
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def shard_model(model: torch.nn.Module, bf16: bool) -> torch.nn.Module:
     """Shard `model` in place over the process group: each decoder layer, then the root; the shards move to
     the group's device (a model loaded on the host arrives there in shards).  `bf16`: gather the layers'

@@ -72,7 +72,7 @@ from atrctl.core.seeds import derive_seed
 from atrctl.decoder_pass import compile_policy
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
-from atrctl.models import Numerics, sized_micro_batch, update_budget
+from atrctl.models import Numerics, is_sharded, sized_micro_batch, update_budget
 from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, model_positions, prompt_style
 from atrctl.reporting import Reporters, check_installed, held_out_table, reporter_names
 from atrctl.rollback import Snapshot
@@ -85,7 +85,6 @@ from atrctl.sharding import (
     full_copy,
     full_tensor,
     gathered_weights,
-    is_sharded,
     memory_line,
     optimizer_parameters,
     shard_model,

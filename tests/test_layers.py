@@ -1,5 +1,6 @@
-"""The package's layering, read from its imports: the math core imports nothing else of atrctl, and the public
-paths that outlived the move into sub-packages still name the very same objects."""
+"""The package's layering, read from its imports (at the top of a module or inside a function alike): the math
+core imports nothing else of atrctl, no modules import each other in a circle, and the public paths that
+outlived the move into sub-packages still name the very same objects."""
 
 import ast
 from pathlib import Path
@@ -20,15 +21,47 @@ def atrctl_imports(path: Path) -> set[str]:
     return found
 
 
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package's modules it imports."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def module(name: str) -> str:  # `from atrctl.x import y`: y may be a module or a name in x
+        while name not in names and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    return {name: {module(i) for i in atrctl_imports(path)} - {name, "atrctl"} for name, path in names.items()}
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph, circles = module_graph(), []
+    for start in graph:  # a path from a module back to itself, found by depth-first search
+        stack, seen = [(start, [start])], set()
+        while stack:
+            name, path = stack.pop()
+            for after in graph.get(name, ()):
+                if after == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif after not in seen:
+                    seen.add(after)
+                    stack.append((after, [*path, after]))
+    assert not circles, circles[:3]
+
+
 @pytest.mark.parametrize("module", sorted(p.name for p in (PACKAGE / "core").glob("*.py")))
 def test_the_math_core_imports_nothing_else_of_atrctl(module):
     outside = {name for name in atrctl_imports(PACKAGE / "core" / module) if not name.startswith("atrctl.core")}
     assert not outside, f"core/{module} imports {sorted(outside)}"
 
 
-def test_the_core_layer_is_seen_by_the_check():  # the check above reads real imports, not nothing
+def test_the_checks_read_real_imports():  # not a graph of nothing, which would pass them all
     assert "atrctl.core.divergence" in atrctl_imports(PACKAGE / "core" / "losses.py")
     assert "atrctl.core.losses" in atrctl_imports(PACKAGE / "train.py")
+    graph = module_graph()
+    assert "atrctl.config" in graph["atrctl.rundir"] and "atrctl.cli.options" in graph["atrctl.cli.train"]
 
 
 @pytest.mark.parametrize(

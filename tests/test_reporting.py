@@ -7,9 +7,9 @@ import signal
 import pytest
 
 from atrctl.cli import main
-from atrctl.config import RunConfig, load_recipe, recipe_from_dict
+from atrctl.config import TRACKERS, RunConfig, check_report_to, load_recipe, recipe_from_dict
 from atrctl.errors import UserError
-from atrctl.reporting import check_report_to, comparison_group, reporter_names
+from atrctl.reporting import REPORTERS, comparison_group, reporter_names
 from atrctl.train import train
 
 FAST = [
@@ -181,3 +181,7 @@ def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(results
     assert main(["eval", str(directory), "--n", "2", "--problems", "4"]) == 0  # its evaluation: the same W&B run
     evaluation = offline_runs(directory)[-1]
     assert evaluation["id"] == first["id"] and any("evaluation/passk/nrows" in row for row in evaluation["history"])
+
+
+def test_the_tracker_names_a_recipe_takes_are_the_trackers_implemented():
+    assert tuple(REPORTERS) == TRACKERS

@@ -112,7 +112,7 @@ def report_to_sets(names: list[str] | None) -> list[str]:
     if not names:
         return []
     listed = [name.strip() for given in names for name in given.split(",") if name.strip()]
-    from atrctl.reporting import check_report_to
+    from atrctl.config import check_report_to
 
     check_report_to(listed)
     return ["run.report_to=[" + ", ".join(f'"{name}"' for name in listed) + "]"]
