@@ -66,10 +66,10 @@ class ModelConfig:
     emulated, 2-4x slower than float32); "bfloat16" = always; "off" = float32 everywhere."""
     compile: bool = False
     """torch.compile a Llama or Qwen2 policy's update passes and its sampler's prefill and decoding steps, once
-    per process for every shape (atrctl.decoder_pass): on a 2-core CPU a training step 1.42x faster on the tiny
-    preset and 1.23x on medium (benchmarks/step_throughput.py --arms compile), after 10-60 s of compiling at
-    the first step (a restart compiles again, faster from torch's on-disk cache): worth it for long runs.
-    Other models warn and run eagerly; not with model.shard = "fsdp"."""
+    per process for every shape (atrctl.decoder_pass): faster steps after 10-60 s of compiling at the first
+    step (a restart compiles again, faster from torch's on-disk cache), so worth it for long runs (figures:
+    docs/performance.md, `benchmarks/step_throughput.py --arms compile`).  Other models warn and run eagerly;
+    not with model.shard = "fsdp"."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: far less memory for ~30% more compute."""
     lora: dict[str, Any] = field(default_factory=dict)
