@@ -390,7 +390,7 @@ def plan_comparison(
     Its directory is results/<kind>-<name>."""
     from atrctl.evaluation import check_samples_fit
     from atrctl.models import requested_threads
-    from atrctl.train import validate_algo
+    from atrctl.training.checks import validate_algo
 
     for value, flag in ((seeds, "--seeds"), (n, "--n"), (problems, "--problems"), (jobs, "--jobs")):
         if value < 1:

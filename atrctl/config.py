@@ -436,7 +436,7 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
 
 def _check_loss_args(algo: AlgoConfig) -> None:
     """Each of algo.args a number, or a word where the loss's default is one: the loss itself would pass a
-    string through `float()` and train on it.  Names the loss does not take are left to `train.validate_algo`,
+    string through `float()` and train on it.  Names the loss does not take are left to `training.checks.validate_algo`,
     which lists the ones it does."""
     if not algo.args:
         return

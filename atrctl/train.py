@@ -12,14 +12,12 @@ gradients are summed over ranks after each mini-batch, and rank 0 alone evaluate
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,23 +27,13 @@ from atrctl import distributed
 from atrctl.adapters import (
     adapter_line,
     add_adapters,
-    check_rank,
     lora_settings,
     reference_pass,
     store_frozen_base,
     trained_parameters,
     write_final_model,
 )
-from atrctl.batching import (
-    concat_rollouts,
-    micro_batches,
-    parts,
-    rank_positions,
-    rollout_seed,
-    rows,
-    sampling_chunks,
-    trimmed,
-)
+from atrctl.batching import concat_rollouts, parts, rank_positions, rollout_seed, rows, sampling_chunks, trimmed
 from atrctl.checkpoint import (
     TrainState,
     capture_rng,
@@ -60,19 +48,11 @@ from atrctl.checkpoint import (
 )
 from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
 from atrctl.core.advantages import group_advantages
-from atrctl.core.losses import (
-    POLICY_LOSSES,
-    aggregation_normaliser,
-    check_loss,
-    finish_metrics,
-    metric_reduction,
-    policy_loss,
-)
-from atrctl.core.seeds import derive_seed
+from atrctl.core.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, policy_loss
 from atrctl.decoder_pass import compile_policy
 from atrctl.errors import UserError
 from atrctl.forward import completion_logprobs, completion_logprobs_and_entropy
-from atrctl.models import Numerics, is_sharded, sized_micro_batch, update_budget
+from atrctl.models import Numerics, is_sharded
 from atrctl.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, model_positions, prompt_style
 from atrctl.reporting import Reporters, check_installed, held_out_table, reporter_names
 from atrctl.rollback import Snapshot
@@ -90,8 +70,10 @@ from atrctl.sharding import (
     shard_model,
 )
 from atrctl.tasks import Problem, get_task, problem_pool
-
-PROMPT_POOL = 20_000  # distinct train prompts cycled through in a seeded order
+from atrctl.training.checks import LENGTH_FLAG, metric_names, validate_algo
+from atrctl.training.micro_batches import Idle, cut_micro_batches, lockstep, pass_rows
+from atrctl.training.schedule import PROMPT_POOL, lr_at, prompts_for_step
+from atrctl.training.step_metrics import STEP_PHASES, Stopwatch, combine_metrics, reduce_step_metrics
 
 
 class TrainingStopped(Exception):
@@ -643,7 +625,7 @@ def _optimiser_step(
     rows_here = part.stop - part.start
     trained = sum(len(where) for where in pieces if not isinstance(where, Idle))
     skipped = distributed.all_sum(torch.tensor([rows_here - trained, rows_here], device=run.device))
-    keys = list(micro[0][0]) if micro else _metric_names(run.recipe)  # the same on every rank
+    keys = list(micro[0][0]) if micro else metric_names(run.recipe)  # the same on every rank
     measured = reduce_step_metrics(micro, keys, run.device)
     return {**measured, "rows/skipped": (skipped[0] / skipped[1]).item(), "grad_norm": grad_norm}
 
@@ -656,58 +638,6 @@ def _fill_old_logprobs(run: Run, rollout: Rollout, pieces: list[torch.Tensor], o
             filled = _logprobs(run.model, rollout, [pieces], run.recipe.rollout.temperature)
         where = torch.cat(list(pieces))
         old_logp[where] = filled[where]
-
-
-PASS_TOKENS = {"cpu": 512}
-"""A forward/backward pass's fixed cost in tokens' worth of its work, by device type, for the cut of the update's rows
-(`batching.least_padding_cut`); other devices take the fewest pieces the memory budget allows. Measured:
-docs/performance-log.md#pass_tokens."""
-FEWEST_PASSES = 1e9
-
-
-def cut_micro_batches(model: torch.nn.Module, rollout: Rollout, trained: torch.Tensor, algo: AlgoConfig):
-    """`trained` (row indices) in micro-batches, longest completions first (`batching.micro_batches`):
-    `algo.micro_batch` rows each, or for 0 the cut that computes the fewest tokens with no micro-batch over
-    the activation budget at its longest row (`models.sized_micro_batch`)."""
-    lengths = rollout.completion_mask.sum(1)
-    if algo.micro_batch or not len(trained):
-        return micro_batches(trained, algo.micro_batch, lengths)
-    prompt_width = trimmed(rows(rollout, trained)).prompt_ids.shape[1]
-    checkpointing = getattr(model, "is_activation_checkpointing", False)  # asked once: it walks the modules
-    device = next(model.parameters()).device
-    budget = update_budget(device)
-
-    def budgeted(length: int) -> int:
-        return sized_micro_batch(model, prompt_width + length, checkpointing, budget)
-
-    pass_tokens = PASS_TOKENS.get(device.type, FEWEST_PASSES)
-    return micro_batches(trained, 0, lengths, budgeted, pass_tokens)
-
-
-def lockstep(pieces: list[list[torch.Tensor]], minibatches: list[slice], device: torch.device):
-    """Each mini-batch's micro-batches padded to the most any rank has, with passes (`Idle`) that name one
-    row of the mini-batch: a sharded model runs a pass on it that contributes nothing (FSDP's collectives
-    need every rank in every pass)."""
-    counts = distributed.all_max(torch.tensor([len(micro) for micro in pieces], device=device)).tolist()
-    return [
-        micro + [idle_rows(part)] * (count - len(micro))
-        for micro, part, count in zip(pieces, minibatches, counts, strict=True)
-    ]
-
-
-@dataclass(frozen=True)
-class Idle:
-    """A pass that only keeps a sharded model's ranks in step (`lockstep`), on these rows."""
-
-    rows: torch.Tensor
-
-
-def idle_rows(part: slice) -> Idle:
-    return Idle(torch.tensor([part.start]))
-
-
-def pass_rows(where: torch.Tensor | Idle) -> torch.Tensor:
-    return where.rows if isinstance(where, Idle) else where
 
 
 def _logprobs(
@@ -890,79 +820,6 @@ def build_run(
     )
 
 
-def validate_algo(recipe: Recipe, world: int | None = None) -> None:
-    """Fail before any work if the loss, its parameters or the batch split (over `world` ranks) are wrong."""
-    algo, world = recipe.algo, world or distributed.world_size()
-    if algo.loss not in POLICY_LOSSES:
-        raise UserError(f"algo.loss = '{algo.loss}' is not a registered loss; use one of {', '.join(POLICY_LOSSES)}")
-    if recipe.rollout.prompts % (algo.minibatches * world):
-        ranks = f" × {world} processes" if world > 1 else ""
-        raise UserError(
-            f"rollout.prompts ({recipe.rollout.prompts}) must be divisible by algo.minibatches "
-            f"({algo.minibatches}){ranks} so that groups stay whole"
-        )
-    try:
-        _probe_loss(recipe)
-    except (ValueError, TypeError) as error:  # TypeError: a list or table where a number belongs
-        raise UserError(f"algo.args for '{algo.loss}': {error}") from None
-    check_before_warmup(recipe)
-
-
-LENGTH_FLAG = "rollout.max_new_tokens"
-ROLLOUT_BYTES_PER_TOKEN = 16
-"""Host bytes a rollout keeps per completion token at the least: its id (int64), its old logprob and its
-advantage (float32 each) — before any KV cache or activation, which depend on the model."""
-
-
-def check_before_warmup(recipe: Recipe) -> None:
-    """What can be refused without the base model, checked before it is warmed up (hours for a preset) and
-    before anything is written: ATRCTL_THREADS, the memory the step's and the held-out check's samples take
-    at the least, and for a preset (whose shape is known before it exists) the LoRA rank and prompt lengths."""
-    from atrctl.evaluation import BYTES_PER_SAMPLE, check_fits, check_samples_fit
-    from atrctl.models import MAX_POSITIONS, PRESETS, requested_threads
-
-    requested_threads()
-    rollout = recipe.rollout
-    rows = rollout.prompts * rollout.group_size
-    check_fits(f"rollout.prompts × rollout.group_size = {rows:,} completions of {rollout.max_new_tokens} tokens",
-               rows * (BYTES_PER_SAMPLE + ROLLOUT_BYTES_PER_TOKEN * rollout.max_new_tokens),
-               "lower rollout.group_size or rollout.prompts")  # fmt: skip
-    check_samples_fit(recipe.eval.problems, recipe.eval.samples, "eval.samples", "eval.problems")
-    if recipe.model.base not in PRESETS:  # a real model's shape is read with it: it needs no warm-up
-        return
-    lora = lora_settings(recipe.model.lora)
-    if lora:
-        check_rank(lora["r"], PRESETS[recipe.model.base][0])
-    longest = _longest_preset_prompt(json.dumps(recipe_to_dict(recipe)["task"], sort_keys=True), recipe.run.seed,
-                                     recipe.eval.problems, recipe.eval.seed)  # fmt: skip
-    check_lengths([[0] * longest], rollout.max_new_tokens, MAX_POSITIONS, LENGTH_FLAG)
-
-
-@functools.lru_cache(maxsize=8)
-def _longest_preset_prompt(task_section: str, seed: int, problems: int, eval_seed: int) -> int:
-    """Tokens of the longest prompt a preset sees (its prompt pool and held-out problems): kept per setting, as
-    every arm of a comparison shares it and encoding the pool takes a large part of a second."""
-    from atrctl.models import build_char_tokenizer
-
-    section = json.loads(task_section)
-    task = get_task(section["name"], **section["args"])
-    style = prompt_style(task, section["chat_template"], section["system_prompt"], section["instruction"])
-    pool = problem_pool(task, "train", PROMPT_POOL, seed) + problem_pool(task, "test", problems, eval_seed)
-    return max((len(ids) for ids in encode_prompts(build_char_tokenizer(), pool, style)), default=0)
-
-
-def _probe_loss(recipe: Recipe):
-    """The recipe's policy loss on one token (`losses.check_loss`): it raises on bad parameters, and its metrics
-    name the loss's."""
-    algo = recipe.algo
-    return check_loss(algo.loss, algo.agg, max_new_tokens=recipe.rollout.max_new_tokens, beta=algo.beta,
-                      kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef, **algo.args)  # fmt: skip
-
-
-def _metric_names(recipe: Recipe) -> list[str]:
-    return list(_probe_loss(recipe).metrics)
-
-
 def is_on_policy(algo: AlgoConfig) -> bool:
     """One optimiser step per rollout: the ratio is exactly 1 and the current logprobs are the old ones."""
     return algo.num_iterations == 1 and algo.minibatches == 1
@@ -982,95 +839,6 @@ def recomputes_old_logprobs(algo: AlgoConfig, sampler: RolloutBackend) -> bool:
 
 
 # ----------------------------------------------------------------- small parts
-
-
-STEP_PHASES = ("rollout", "reward", "logprobs", "update")
-"""Where a step's time goes: sampling, decoding + verifying, old/reference logprobs, optimiser steps."""
-
-
-class Stopwatch:
-    """Seconds spent per named phase; `with clock("update"): ...` adds to `clock.seconds["update"]`.
-
-    On CUDA each phase waits for its queued kernels, or their time would be charged to the next one.
-    """
-
-    def __init__(self, device: torch.device | None = None):
-        self.seconds: dict[str, float] = {}
-        self.cuda = device is not None and device.type == "cuda"
-
-    @contextmanager
-    def __call__(self, phase: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.cuda:
-                torch.cuda.synchronize()
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
-
-
-def lr_at(step: int, lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
-    """Learning rate of optimiser step `step` (0-based): linear warm-up, then constant or cosine to 10%."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if schedule == "constant":
-        return lr
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
-def prompts_for_step(pool_size: int, step: int, prompts: int, seed: int) -> list[int]:
-    """Indices into the prompt pool for one step: epochs of seeded permutations, a pure function of step."""
-    indices = []
-    for position in range(step * prompts, (step + 1) * prompts):
-        epoch, offset = divmod(position, pool_size)
-        indices.append(_epoch_order(pool_size, epoch, seed)[offset])
-    return indices
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch_order(pool_size: int, epoch: int, seed: int) -> tuple[int, ...]:
-    """The pool's order in one epoch; kept, since every step of the epoch reads it (drawn per step, the default
-    recipe's permutation took ~1.5 ms, ~1% of a tiny model's step)."""
-    generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
-    return tuple(torch.randperm(pool_size, generator=generator).tolist())
-
-
-def combine_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Merge the metrics of several optimiser steps, each by the reduction its name declares (min, max or mean),
-    over the steps that measured it (one that trained no row measured no loss diagnostics)."""
-    reducers = {"min": min, "max": max, "mean": lambda values: sum(values) / len(values)}
-    keys = dict.fromkeys(key for step in steps for key in step)
-    return {key: reducers[metric_reduction(key)]([step[key] for step in steps if key in step]) for key in keys}
-
-
-def reduce_step_metrics(
-    micro: list[tuple[dict[str, float], float, float]], keys: list[str], device: torch.device
-) -> dict[str, float]:
-    """One optimiser step's metrics `keys` from (metrics, tokens, loss weight) of its micro-batches on every
-    rank (a rank may have none): `loss` is the weighted sum (the mini-batch loss), .../min and .../max are
-    extremes, the rest token-weighted means.  Only `loss` when no rank trained a token (every row skipped):
-    the mini-batch's loss is then 0, and the rest was not measured."""
-    lows = [k for k in keys if metric_reduction(k) == "min"]
-    highs = [k for k in keys if metric_reduction(k) == "max"]
-    means = [k for k in keys if metric_reduction(k) == "mean"]
-
-    def gathered(values: list[float], reduce) -> list[float]:
-        return reduce(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
-
-    sums = gathered(
-        [sum(m[k] * (weight if k == "loss" else tokens) for m, tokens, weight in micro) for k in means]
-        + [sum(tokens for _, tokens, _ in micro)],
-        distributed.all_sum,
-    )
-    out = {k: total if k == "loss" else total / max(sums[-1], 1.0) for k, total in zip(means, sums, strict=False)}
-    out.update(zip(lows, gathered([min((m[k] for m, _, _ in micro), default=math.inf) for k in lows],
-                                  distributed.all_min), strict=True))  # fmt: skip
-    out.update(zip(highs, gathered([max((m[k] for m, _, _ in micro), default=-math.inf) for k in highs],
-                                   distributed.all_max), strict=True))  # fmt: skip
-    if sums[-1] == 0:
-        return {"loss": out["loss"]}
-    return {k: out[k] for k in keys}
 
 
 class _StopRequest:

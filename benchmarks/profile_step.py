@@ -27,7 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
 from atrctl.models import set_cpu_threads
-from atrctl.train import STEP_PHASES, build_run, train_step
+from atrctl.train import build_run, train_step
+from atrctl.training.step_metrics import STEP_PHASES
 
 
 def main() -> None:

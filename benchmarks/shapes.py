@@ -71,7 +71,7 @@ def worker(shape: str, repeats: int, bf16: bool) -> dict:
     from atrctl.config import AlgoConfig
     from atrctl.forward import completion_logprobs_and_entropy
     from atrctl.models import set_cpu_threads
-    from atrctl.train import cut_micro_batches
+    from atrctl.training.micro_batches import cut_micro_batches
 
     threads = set_cpu_threads()
     peak = matmul_peak_gflops(256 if shape.endswith("-smoke") else 2048, dtype=torch.bfloat16 if bf16 else None)

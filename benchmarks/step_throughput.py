@@ -29,7 +29,8 @@ from common import EVERY_ROW, parse_with_smoke, save_model  # benchmarks/ is on 
 from atrctl.checkpoint import TrainState
 from atrctl.config import load_recipe
 from atrctl.models import set_cpu_threads
-from atrctl.train import STEP_PHASES, build_run, train_step
+from atrctl.train import build_run, train_step
+from atrctl.training.step_metrics import STEP_PHASES
 
 ARMS = {  # the two arms of a comparison, and the recipe overrides that make each; the ratio is second / first
     "losses": {"grpo": ["algo.loss=grpo"], "atr": ["algo.loss=atr"]},

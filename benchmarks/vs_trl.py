@@ -136,7 +136,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from atrctl.core.divergence import trust_region
     from atrctl.models import numerics
     from atrctl.tasks import get_task, problem_pool
-    from atrctl.train import PROMPT_POOL, prompts_for_step
+    from atrctl.training.schedule import PROMPT_POOL, prompts_for_step
 
     recipe = recipe_for(args)
     task = get_task(recipe.task.name, **recipe.task.args)

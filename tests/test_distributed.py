@@ -36,7 +36,8 @@ from atrctl.core.losses import aggregation_normaliser
 from atrctl.errors import UserError
 from atrctl.models import build_char_tokenizer, build_model
 from atrctl.rollout import Rollout
-from atrctl.train import train, validate_algo
+from atrctl.train import train
+from atrctl.training.checks import validate_algo
 
 FAST = [
     "task.args.digits=1",

@@ -258,7 +258,7 @@ def test_mechanism_metrics_by_hand():
 
 def test_mechanism_metrics_combine_exactly_over_micro_batches():
     """Token-weighted means of the shares, then one division: the cell means of one batch split in two."""
-    from atrctl.train import reduce_step_metrics
+    from atrctl.training.step_metrics import reduce_step_metrics
 
     torch.manual_seed(0)
     old_logp = torch.rand(6, 5).log()

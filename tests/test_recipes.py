@@ -84,7 +84,7 @@ def test_one_step_of_the_recipe_runs_on_a_stand_in(name, stand_in, tmp_path):
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.toml")), ids=lambda p: p.stem)
 def test_every_shipped_recipe_reads_and_its_algorithm_validates(path):
-    from atrctl.train import validate_algo
+    from atrctl.training.checks import validate_algo
 
     validate_algo(load_recipe(path))
 

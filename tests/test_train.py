@@ -34,7 +34,9 @@ from atrctl.core.losses import LossOutput
 from atrctl.errors import UserError
 from atrctl.models import Numerics, build_char_tokenizer
 from atrctl.sampling import HFSampler
-from atrctl.train import STEP_PHASES, TrainingStopped, lr_at, prompts_for_step, recomputes_old_logprobs, train
+from atrctl.train import TrainingStopped, recomputes_old_logprobs, train
+from atrctl.training.schedule import lr_at, prompts_for_step
+from atrctl.training.step_metrics import STEP_PHASES
 
 if sys.version_info >= (3, 11):
     import tomllib

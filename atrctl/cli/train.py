@@ -48,7 +48,7 @@ def warmup(
             "real models are used as they are, without a warm-up"
         )
     check_destination(results, "--results")
-    from atrctl.train import check_before_warmup
+    from atrctl.training.checks import check_before_warmup
 
     check_before_warmup(config)  # what training this recipe would refuse, refused before its base is warmed up
     with display.warmup_bar(config.warmup.max_steps) as on_progress:
@@ -118,8 +118,9 @@ def train(
         config = load_recipe_with_flags(recipe, flags, [*report_to_sets(report_to), *(set_ or [])], *loss_flags)
         run_dir = RunDir(results / (check_name(name) if name is not None else default_run_name(config)))
 
-    from atrctl.train import TrainingStopped, validate_algo
+    from atrctl.train import TrainingStopped
     from atrctl.train import train as run_training
+    from atrctl.training.checks import validate_algo
 
     check_nproc(nproc)
     validate_algo(config, nproc)
