@@ -20,6 +20,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -69,11 +70,15 @@ from atrctl.sharding import (
     optimizer_parameters,
     shard_model,
 )
-from atrctl.tasks import Problem, get_task, problem_pool
+from atrctl.tasks import Problem, Task, get_task, problem_pool
 from atrctl.training.checks import LENGTH_FLAG, metric_names, validate_algo
 from atrctl.training.micro_batches import Idle, cut_micro_batches, lockstep, pass_rows
 from atrctl.training.schedule import PROMPT_POOL, lr_at, prompts_for_step
 from atrctl.training.step_metrics import STEP_PHASES, Stopwatch, combine_metrics, reduce_step_metrics
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
 
 
 class TrainingStopped(Exception):
@@ -706,17 +711,17 @@ def held_out_metrics(run: Run, shown: list[dict] | None = None) -> dict[str, flo
 # ----------------------------------------------------------------- set-up
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    """Everything the loop touches, set up once."""
+    """Everything the loop touches, set up once (`build_run`), named at construction."""
 
     recipe: Recipe
     run_dir: RunDir
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     sampler: RolloutBackend
     numerics: Numerics
-    task: object
+    task: Task
     pool: list[Problem]
     pool_ids: list[list[int]]
     held_out: list[Problem]
@@ -726,7 +731,7 @@ class Run:
     snapshot: Snapshot | None = None  # the state before the latest update (`run.rollback`)
     style: PromptStyle = PLAIN  # how the prompts were written (`atrctl.prompts`)
     eval_batch: int = 1024  # completions sampled at once in held-out checks (eval.batch, or sized from the model)
-    adapters: object | None = None  # the peft wrapper of `model` when it trains LoRA adapters (`atrctl.adapters`)
+    adapters: PeftModel | None = None  # the peft wrapper of `model` when it trains LoRA adapters (`atrctl.adapters`)
 
     @property
     def device(self) -> torch.device:
@@ -800,23 +805,23 @@ def build_run(
     if sampled is not model:
         sampler = GatheredSampler(sampler, sampled)
     return Run(
-        recipe,
-        run_dir,
-        model,
-        tokenizer,
-        sampler,
-        compute,
-        task,
-        pool,
-        pool_ids,
-        held_out,
-        held_out_ids,
-        optimizer,
-        reference,
-        Snapshot(model, optimizer) if recipe.run.rollback else None,
-        style,
-        eval_batch,
-        adapters,
+        recipe=recipe,
+        run_dir=run_dir,
+        model=model,
+        tokenizer=tokenizer,
+        sampler=sampler,
+        numerics=compute,
+        task=task,
+        pool=pool,
+        pool_ids=pool_ids,
+        held_out=held_out,
+        held_out_ids=held_out_ids,
+        optimizer=optimizer,
+        reference=reference,
+        snapshot=Snapshot(model, optimizer) if recipe.run.rollback else None,
+        style=style,
+        eval_batch=eval_batch,
+        adapters=adapters,
     )
 
 
