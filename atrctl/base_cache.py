@@ -96,7 +96,7 @@ def ensure_base(
     if recipe.model.base not in PRESETS:
         return recipe.model.base, {}
     target = Path(results) / "bases" / base_key(recipe)
-    info = read_base_info(target, base_identity(recipe))
+    info = cached_base(recipe, results)
     if info is not None:
         return target, info
 

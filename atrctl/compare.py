@@ -29,7 +29,7 @@ from pathlib import Path
 
 from atrctl import atomic
 from atrctl.arms import Arm, arm_recipe, check_distinct, parse_arms
-from atrctl.config import Recipe, recipe_to_dict, to_toml
+from atrctl.config import Recipe, changed_keys, recipe_to_dict, to_toml
 from atrctl.destinations import check_destination
 from atrctl.errors import UserError
 from atrctl.records import DamagedFile, read_json
@@ -173,8 +173,9 @@ def prepare(comparison: Comparison, overwrite: bool) -> None:
     flags; arms and seeds may have been added or left out); anything else is refused (`check_claim`).  With
     `overwrite` the old one is replaced even when it is the same comparison (its runs are retrained)."""
     marker, record = comparison.directory / f"{comparison.kind}.json", comparison.record()
-    if check_claim(comparison, overwrite):
-        if read_json(marker, "") != json.loads(json.dumps(record)):  # arms or seeds added: record them
+    recorded = check_claim(comparison, overwrite)
+    if recorded is not None:
+        if recorded != json.loads(json.dumps(record)):  # arms or seeds added: record them
             atomic.write_text(marker, json.dumps(record, indent=2) + "\n")
         return
     if overwrite:  # kept aside until the new comparison's runs are trained, restored if that fails
@@ -183,29 +184,29 @@ def prepare(comparison: Comparison, overwrite: bool) -> None:
     atomic.write_text(marker, json.dumps(record, indent=2) + "\n")
 
 
-def check_claim(comparison: Comparison, overwrite: bool) -> bool:
-    """Whether the comparison continues the one in its directory (True) or starts anew (False); refused when
-    it may do neither: another setting or a damaged marker without `overwrite`, and anything but a comparison
-    of its kind in the way (--overwrite replaces only that).  Reads only: `plan_comparison` asks before any
-    work, `prepare` again under the lock."""
+def check_claim(comparison: Comparison, overwrite: bool) -> dict | None:
+    """The record of the comparison in its directory when this one continues it, None when it starts anew;
+    refused when it may do neither: another setting or a damaged marker without `overwrite`, and anything but
+    a comparison of its kind in the way (--overwrite replaces only that).  Reads only: `plan_comparison` asks
+    before any work, `prepare` again under the lock."""
     directory = comparison.directory
     marker = directory / f"{comparison.kind}.json"
     check_destination(directory, "--name or --results", replace=overwrite, what=f"{comparison.kind} folder {directory}")
     if not directory.exists() or not any(directory.iterdir()):
-        return False
+        return None
     if not (marker.exists() or marker.is_symlink()):
         if overwrite:
             raise UserError(f"{directory} is not a {comparison.kind} (it has no {marker.name}): --overwrite "
                             f"replaces only a {comparison.kind}; pick another --name")  # fmt: skip
         raise UserError(f"{directory} already exists; pick another --name or pass --overwrite")
     if overwrite:
-        return False
+        return None
     shape = {"arms": list, "seeds": int, "loss_args": dict, "recipe": dict}
     recorded = read_json(marker, f"restore it, or pass --overwrite to train the {comparison.kind} anew", shape)
     if _same_record(recorded, json.loads(json.dumps(comparison.record()))):
         # the same shared setting: finished runs are kept, interrupted ones resume, and arms or seeds
         # added since are trained (a run's recipe is its label's and its seed's, whatever the others)
-        return True
+        return recorded
     raise UserError(
         f"{directory} holds a {comparison.kind} with another shared recipe or --max-kl3/--eps/"
         "--eps-high; pick another --name or pass --overwrite to replace it"
@@ -269,8 +270,7 @@ def check_kept_runs(comparison: Comparison) -> None:
             if arm.loss is None or not run.is_run or not (run.finished or run.checkpoint.is_dir()):
                 continue
             want, have = recipe_to_dict(trained_recipe(comparison, arm, seed)), recipe_to_dict(run.recipe())
-            keys = [(section, key) for section in want for key in want[section] if (section, key) not in IGNORED]
-            differ = [f"{section}.{key}" for section, key in keys if have[section][key] != want[section][key]]
+            differ = [f"{section}.{key}" for section, key in changed_keys(have, want, IGNORED)]
             if differ:
                 raise UserError(
                     f"{run.path} is not arm '{arm.label}' at seed {seed} ({', '.join(differ)} differ): move it "
@@ -329,9 +329,10 @@ def evaluate_arms(
     settings = dict(n=n, temperature=recipe.eval.temperature, seed=recipe.eval.seed, device=recipe.model.device,
                     batch_size=recipe.eval.batch)  # fmt: skip
     kept: dict[str, list] = {}
+    evaluated_in = arm_evaluations(comparison)
     for label, directories in arm_runs(comparison).items():  # every kept evaluation read before any is sampled
         kept[label] = []
-        for directory, where in zip(directories, arm_evaluations(comparison)[label], strict=True):
+        for directory, where in zip(directories, evaluated_in[label], strict=True):
             spec = arm_target(directory, recipe)
             key = evaluation_key(spec, held_out, **settings)
             try:

@@ -452,6 +452,13 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     return dataclasses.asdict(recipe)
 
 
+def changed_keys(before: dict, after: dict, ignored: typing.Collection[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+    """The (section, key) pairs whose values differ between two recipes as `recipe_to_dict` writes them (a key
+    `before` lacks counts as changed), `ignored` left out: what a resume or a kept run may not have changed."""
+    return [(section, key) for section in after for key in after[section]
+            if (section, key) not in ignored and before.get(section, {}).get(key) != after[section][key]]  # fmt: skip
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from atrctl import __version__, atomic
-from atrctl.destinations import check_destination
+from atrctl.destinations import check_destination, writing
 from atrctl.errors import UserError
 from atrctl.records import read_json
 
@@ -179,8 +179,6 @@ class RunDir:
             return sum(1 for _ in handle)
 
     def append_metrics(self, record: dict) -> None:
-        from atrctl.destinations import writing
-
         with writing(self.metrics), open(self.metrics, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
         drop_aside(self.path)  # the new run has started: the one it replaced can go
@@ -217,8 +215,6 @@ class RunDir:
         """The final model in Hugging Face format (`write_model(directory)` writes it, e.g. a model's
         save_pretrained) and the final summary: the model is staged, the summary written, and only then is the
         model renamed into place, so model/ marks a finished run."""
-        from atrctl.destinations import writing
-
         staging = self.path / ".model.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         try:

@@ -47,7 +47,7 @@ from atrctl.checkpoint import (
     restore_rng,
     write_checkpoint,
 )
-from atrctl.config import AlgoConfig, Recipe, recipe_from_dict, recipe_to_dict
+from atrctl.config import AlgoConfig, Recipe, changed_keys, recipe_from_dict, recipe_to_dict
 from atrctl.core.advantages import group_advantages
 from atrctl.core.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, policy_loss
 from atrctl.decoder_pass import compile_policy
@@ -346,9 +346,8 @@ def _check_same_recipe(state: TrainState, recipe: Recipe, run_dir: RunDir) -> No
     recipes were recorded) is taken as it is, and records this one from now on."""
     now = recipe_to_dict(recipe)
     saved = recipe_to_dict(recipe_from_dict(state.recipe)) if state.recipe else now  # new keys: their defaults
-    changed = [f"{section}.{key}: {saved[section][key]!r} → {now[section][key]!r}" for section in now
-               for key in now[section] if (section, key) not in RESUMABLE_EDITS
-               and saved.get(section, {}).get(key) != now[section][key]]  # fmt: skip
+    changed = [f"{section}.{key}: {saved[section][key]!r} → {now[section][key]!r}"
+               for section, key in changed_keys(saved, now, RESUMABLE_EDITS)]  # fmt: skip
     if changed:
         raise UserError(f"{run_dir.config} no longer matches the recipe its checkpoint was trained with "
                         f"({'; '.join(changed)}): restore it, or start a new run")  # fmt: skip
