@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from atrctl.models import build_char_tokenizer, build_model
+from atrctl.model.loading import build_char_tokenizer, build_model
 
 QWEN_HALF_B_SHAPE = "qwen2.5-0.5b-shape"
 EVERY_ROW = "algo.skip_zero_advantage=false"
@@ -116,7 +116,7 @@ def draw(model, prompts, group: int, tokens: int, bf16: bool, seed: int = 0):
     """`sample` as `HFSampler.generate` runs it: in eval mode (a training-mode model decodes through SDPA,
     not the sampler's own decode attention), under the autocast of `bf16`; no row draws EOS, so every
     completion is `tokens` long."""
-    from atrctl.sampling import sample
+    from atrctl.rollout.hf import sample
 
     training = model.training
     model.eval()

@@ -1,6 +1,6 @@
 """Where a training step's CPU time goes, operator by operator (torch.profiler).
 
-Not a test. Runs a few real steps (`atrctl.train.train_step`) of the default recipe on a freshly
+Not a test. Runs a few real steps (`atrctl.training.loop.train_step`) of the default recipe on a freshly
 initialised preset, then profiles a few more and prints the step's phases and the operators with
 the most self time.  This is the tool that found the work removed in issue 8: the recomputed old
 logprobs, the prompt run once per completion instead of once per group, the per-tensor AdamW.
@@ -24,10 +24,10 @@ from common import EVERY_ROW, parse_with_smoke, save_model  # benchmarks/ is on 
 from shapes import matmul_peak_gflops
 from torch.profiler import ProfilerActivity, profile
 
-from atrctl.checkpoint import TrainState
-from atrctl.config import load_recipe
-from atrctl.models import set_cpu_threads
-from atrctl.train import build_run, train_step
+from atrctl.config.loading import load_recipe
+from atrctl.runtime.machine import set_cpu_threads
+from atrctl.training.checkpoint import TrainState
+from atrctl.training.loop import build_run, train_step
 from atrctl.training.step_metrics import STEP_PHASES
 
 

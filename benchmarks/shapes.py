@@ -67,10 +67,10 @@ def worker(shape: str, repeats: int, bf16: bool) -> dict:
     import torch
     from common import autocast, draw, rss_mib, seconds, shape_model  # benchmarks/ is on sys.path
 
-    from atrctl.batching import rows
-    from atrctl.config import AlgoConfig
-    from atrctl.forward import completion_logprobs_and_entropy
-    from atrctl.models import set_cpu_threads
+    from atrctl.config.schema import AlgoConfig
+    from atrctl.model.forward import completion_logprobs_and_entropy
+    from atrctl.runtime.machine import set_cpu_threads
+    from atrctl.training.batching import rows
     from atrctl.training.micro_batches import cut_micro_batches
 
     threads = set_cpu_threads()

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import parse_with_smoke, save_model  # noqa: E402
 from scaling import EOS_PENALTY, PEAK_BF16_TFLOPS, model_flops_per_step  # noqa: E402
 
-from atrctl import distributed  # noqa: E402
-from atrctl.checkpoint import TrainState  # noqa: E402
-from atrctl.config import load_recipe  # noqa: E402
-from atrctl.train import build_run, train_step  # noqa: E402
+from atrctl.config.loading import load_recipe  # noqa: E402
+from atrctl.runtime import distributed  # noqa: E402
+from atrctl.training.checkpoint import TrainState  # noqa: E402
+from atrctl.training.loop import build_run, train_step  # noqa: E402
 
 
 def suppress_eos(run) -> None:

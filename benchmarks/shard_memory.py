@@ -2,10 +2,10 @@
 
 Not a test.  Each configuration runs in fresh processes (two under torch.distributed.run for "fsdp2"):
 the model is built with random weights of the shape (Qwen2.5-0.5B by default: 494M parameters, 151,936
-vocabulary; the weights do not change the memory), set up as `atrctl.train.build_run` sets it up (the
+vocabulary; the weights do not change the memory), set up as `atrctl.training.loop.build_run` sets it up (the
 policy in float32 and AdamW over what trains; for fsdp2 the sampler's full copy, then `shard_model`; for
 LoRA `add_adapters`), then one optimiser step runs on a micro-batch of --rows rows × (--prompt +
---completion) tokens through `atrctl.forward.completion_logprobs_and_entropy`.  Reported per process:
+--completion) tokens through `atrctl.model.forward.completion_logprobs_and_entropy`.  Reported per process:
 
 - the bytes of the trained state it holds (parameters, gradients, AdamW's moments), counted from the
   tensors themselves (a sharded tensor's local part), plus the frozen weights it holds besides (LoRA's
@@ -41,11 +41,11 @@ def worker(args: argparse.Namespace) -> dict:
     sys.path[:0] = [str(ROOT / "benchmarks")]
     from common import rss_mib, shape_model
 
-    from atrctl import distributed
-    from atrctl.adapters import add_adapters, lora_settings, trained_parameters
-    from atrctl.forward import completion_logprobs_and_entropy
-    from atrctl.rollout import Rollout
-    from atrctl.sharding import full_copy, local_part, shard_model
+    from atrctl.model.adapters import add_adapters, lora_settings, trained_parameters
+    from atrctl.model.batch import Rollout
+    from atrctl.model.forward import completion_logprobs_and_entropy
+    from atrctl.runtime import distributed
+    from atrctl.training.sharding import full_copy, local_part, shard_model
 
     torch.set_num_threads(max(1, 2 // distributed.world_size()))
     with distributed.process_group(torch.device("cpu")):

@@ -62,7 +62,7 @@ SIDES = ("atrctl", "trl")
 
 
 def recipe_for(args: argparse.Namespace):
-    from atrctl.config import load_recipe
+    from atrctl.config.loading import load_recipe
 
     return load_recipe(
         "recipes/default.toml",
@@ -106,8 +106,8 @@ def report_step(step: dict) -> None:
 
 
 def atrctl_worker(args: argparse.Namespace) -> None:
-    from atrctl.checkpoint import TrainState
-    from atrctl.train import build_run, train_step
+    from atrctl.training.checkpoint import TrainState
+    from atrctl.training.loop import build_run, train_step
 
     recipe = recipe_for(args)
     run = build_run(recipe, Path(args.scratch) / "atrctl-run", Path(args.scratch))
@@ -134,7 +134,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from trl.extras import profiling
 
     from atrctl.core.divergence import trust_region
-    from atrctl.models import numerics
+    from atrctl.model.numerics import numerics
     from atrctl.tasks import get_task, problem_pool
     from atrctl.training.schedule import PROMPT_POOL, prompts_for_step
 

@@ -32,7 +32,7 @@ def warm_bases(tmp_path_factory):
 def results(tmp_path_factory, request, warm_bases):
     """A results folder of the module's own holding the one warm base every run of the module starts from: that
     of the module's own `recipe()` (its fast settings)."""
-    from atrctl.base_cache import ensure_base
+    from atrctl.training.base_cache import ensure_base
 
     folder = tmp_path_factory.mktemp("results")
     base, _ = ensure_base(request.module.recipe(), warm_bases)

@@ -17,10 +17,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import test_sharding  # noqa: E402
 
-from atrctl import distributed  # noqa: E402
-from atrctl.batching import parts  # noqa: E402
-from atrctl.sharding import full_tensor  # noqa: E402
-from atrctl.train import build_run, rollout_step, update_step  # noqa: E402
+from atrctl.runtime import distributed  # noqa: E402
+from atrctl.training.batching import parts  # noqa: E402
+from atrctl.training.loop import build_run, rollout_step, update_step  # noqa: E402
+from atrctl.training.sharding import full_tensor  # noqa: E402
 
 
 def crafted_update(results: Path, shard: str, *overrides: str) -> dict | None:

@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atrctl.adapters import (
+from atrctl.config.loading import load_recipe, recipe_from_dict
+from atrctl.errors import UserError
+from atrctl.model.adapters import (
     LORA_DEFAULTS,
     adapter_line,
     add_adapters,
@@ -20,10 +22,8 @@ from atrctl.adapters import (
     store_frozen_base,
     write_final_model,
 )
-from atrctl.config import load_recipe, recipe_from_dict
-from atrctl.errors import UserError
-from atrctl.models import load_model
-from atrctl.train import train
+from atrctl.model.loading import load_model
+from atrctl.training.loop import train
 
 FAST = [
     "task.args.digits=1",
@@ -246,11 +246,11 @@ def test_an_interrupted_lora_run_resumes_exactly(results, straight):
 
 @pytest.mark.slow
 def test_a_kl_penalty_uses_the_base_under_the_adapters(results, monkeypatch):
-    from atrctl import models
+    from atrctl.model import loading
 
     loaded = []
-    real = models.load_model
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded.append(a[0]) or real(*a, **k))
+    real = loading.load_model
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: loaded.append(a[0]) or real(*a, **k))
     directory = results / "kl"
     train(recipe("run.steps=3", "algo.beta=0.1", "algo.minibatches=1"), directory, results=results)
     assert len(loaded) == 1  # the policy only: no second model for the reference
@@ -260,7 +260,7 @@ def test_a_kl_penalty_uses_the_base_under_the_adapters(results, monkeypatch):
 
 @pytest.mark.slow
 def test_a_bf16_autocast_run_on_a_bf16_base_equals_the_run_that_keeps_the_base_in_float32(results, monkeypatch):
-    from atrctl import train as train_module
+    from atrctl.training import loop as train_module
 
     model, tokenizer = bf16_valued_tiny()
     model.save_pretrained(results / "bf16-base")

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from atrctl import allocator
+from atrctl.runtime import allocator
 
 pytestmark = pytest.mark.skipif(not allocator.is_glibc(), reason="the thresholds are glibc's")
 
@@ -13,7 +13,7 @@ libc = ctypes.CDLL(None)
 libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
 libc.malloc.argtypes, libc.free.argtypes, libc.sbrk.argtypes = [ctypes.c_size_t], [ctypes.c_void_p], [ctypes.c_long]
 if sys.argv[1] == "kept":
-    from atrctl.allocator import keep_freed_memory
+    from atrctl.runtime.allocator import keep_freed_memory
     assert keep_freed_memory()
 for size in (1 << 20, 16 << 20):
     block = libc.malloc(size)

@@ -2,11 +2,11 @@
 
 import pytest
 
-from atrctl.arms import Arm, arm_recipe, check_distinct, parse_arm, parse_arms
 from atrctl.cli import main
-from atrctl.compare import plan_comparison
-from atrctl.config import load_recipe
+from atrctl.config.loading import load_recipe
 from atrctl.errors import UserError
+from atrctl.experiments.arms import Arm, arm_recipe, check_distinct, parse_arm, parse_arms
+from atrctl.experiments.compare import plan_comparison
 
 LONG_ARM = "atr:max_kl3=0.1," + ",".join(
     ["optim.lr=0.0002", "algo.kl_estimator=k3", "rollout.temperature=1.0", "rollout.top_p=1.0", "algo.agg=token-mean",

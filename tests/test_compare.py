@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from atrctl.cli import main
-from atrctl.compare import Arm, parse_arms
-from atrctl.compare_report import comparison_table, interval, table_markdown, two_level_bootstrap
-from atrctl.config import load_recipe
+from atrctl.config.loading import load_recipe
 from atrctl.core.passk import EvalResult
 from atrctl.errors import UserError
+from atrctl.experiments.compare import Arm, parse_arms
+from atrctl.experiments.compare_report import comparison_table, interval, table_markdown, two_level_bootstrap
 
 
 def result(correct_per_problem, n, greedy, seed=0):
@@ -163,7 +163,7 @@ def test_unknown_arm_is_one_line(tmp_path, capsys):
 
 
 def test_shared_flags_become_the_parameters_of_the_trust_regions_that_take_them(tmp_path):
-    from atrctl.compare import plan_comparison
+    from atrctl.experiments.compare import plan_comparison
 
     comparison = plan_comparison(
         ["grpo", "dapo", "atr", "gspo"], seeds=1, n=4, problems=8, jobs=1, recipe=load_recipe(None, FAST),
@@ -176,7 +176,7 @@ def test_shared_flags_become_the_parameters_of_the_trust_regions_that_take_them(
 
 @pytest.mark.slow
 def test_the_pipeline_runs_from_python_without_the_cli(tmp_path):
-    from atrctl.compare import plan_comparison, run_comparison
+    from atrctl.experiments.compare import plan_comparison, run_comparison
 
     recipe = load_recipe(None, [*FAST, "run.steps=1"])
     comparison = plan_comparison(
@@ -192,7 +192,7 @@ def test_the_pipeline_runs_from_python_without_the_cli(tmp_path):
 
 
 def test_mechanism_summary_divides_summed_shares_over_every_step_and_seed(tmp_path):
-    from atrctl.compare_report import mechanism_summary
+    from atrctl.experiments.compare_report import mechanism_summary
 
     steps = [
         {"step": 1, "clip/low/p00-10": 0.02, "tokens/neg/p00-10": 0.10, "dlogp/neg/p00-10": -0.5},

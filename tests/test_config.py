@@ -2,7 +2,8 @@
 
 import pytest
 
-from atrctl.config import Recipe, load_recipe, parse_override, recipe_from_dict
+from atrctl.config.loading import load_recipe, parse_override, recipe_from_dict
+from atrctl.config.schema import Recipe
 from atrctl.errors import UserError
 
 

@@ -7,11 +7,11 @@ import torch
 from test_forward import group_rollout, small_model, values_and_gradients
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-from atrctl import decoder_pass, forward
-from atrctl.decoder_pass import compile_policy, decoder_inputs, decoder_states, rotary, supports
 from atrctl.errors import UserError
-from atrctl.forward import completion_logprobs_and_entropy
-from atrctl.sharding import check_can_shard
+from atrctl.model import decoder_pass, forward
+from atrctl.model.decoder_pass import compile_policy, decoder_inputs, decoder_states, rotary, supports
+from atrctl.model.forward import completion_logprobs_and_entropy
+from atrctl.training.sharding import check_can_shard
 
 
 def transformers_states(model, rollout):
@@ -77,7 +77,7 @@ def test_qwen2s_attention_biases_are_applied():
 
 
 def test_lora_adapters_inside_the_projections_still_apply():
-    from atrctl.adapters import add_adapters
+    from atrctl.model.adapters import add_adapters
 
     model = small_model("llama")
     add_adapters(model, {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}, seed=0)
@@ -206,7 +206,7 @@ def test_one_inductor_compilation_serves_every_micro_batch_shape_with_the_eager_
 def transformers_step(model, prompt_ids, prompt_mask, token):
     """Prefill then one decoding step through transformers (the sampler's cache and attention): the
     step's logits, and the cache's keys and values before and after it."""
-    from atrctl.sampling import decode_attention, preallocated_cache
+    from atrctl.rollout.hf import decode_attention, preallocated_cache
 
     cache = preallocated_cache(model, prompt_ids.shape[1] + 2)
     positions = forward.position_ids(prompt_mask)
@@ -222,7 +222,7 @@ def transformers_step(model, prompt_ids, prompt_mask, token):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_prefill_equals_transformers_prefill_on_left_padded_prompts(arch, attention):
-    from atrctl.sampling import preallocated_cache
+    from atrctl.rollout.hf import preallocated_cache
 
     model = small_model(arch).eval()
     rollout = group_rollout(seed=7, groups=3, group=1)  # three distinct prompts, padded 0, 2 and 4 tokens
@@ -261,7 +261,7 @@ def test_a_decoding_step_equals_transformers_step_on_the_same_cache(arch):
 def test_compiled_sampling_draws_the_eager_tokens_while_rows_leave_the_batch(monkeypatch):
     """Rows end (EOS is a common token here) and leave the batch, the cache grows: one compilation, the
     eager sampler's tokens, its logprobs to float rounding; one row left decodes eagerly."""
-    from atrctl.sampling import sample
+    from atrctl.rollout.hf import sample
 
     counter = counting_compiler(monkeypatch, "decode", decoder_pass.decode_step, "inductor")
     model = small_model("qwen2").eval()
@@ -287,7 +287,7 @@ def test_compiled_sampling_draws_the_eager_tokens_while_rows_leave_the_batch(mon
 def test_under_bf16_the_compiled_sampler_keeps_its_cache_in_bf16_and_draws_what_a_float32_cache_draws(monkeypatch):
     """The decoding step's products cast the cache to bf16 anyway: stored in bf16, the same tokens and the
     same logprobs bit for bit, rows leaving the batch included."""
-    from atrctl import sampling
+    from atrctl.rollout import hf as sampling
 
     model = small_model("qwen2").eval()
     with torch.no_grad():
@@ -327,7 +327,7 @@ def test_on_cuda_the_compiled_passes_equal_the_eager_ones():
 
 
 def compiled_equals_eager(device: str) -> None:
-    from atrctl.sampling import sample
+    from atrctl.rollout.hf import sample
 
     torch._dynamo.reset()
     eager, compiled = small_model("qwen2").to(device), small_model("qwen2").to(device)

@@ -6,7 +6,7 @@ import time
 import pytest
 from rich.console import Console
 
-from atrctl import display
+from atrctl.cli import display
 from atrctl.errors import UserError
 
 

@@ -3,7 +3,7 @@
 import io
 import re
 
-from atrctl import display
+from atrctl.cli import display
 
 KS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CELL = re.compile(r"-?\d\.\d{3,4} \[-?\d\.\d{3,4}, -?\d\.\d{3,4}\]")

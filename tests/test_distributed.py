@@ -19,9 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atrctl.batching import (
+from atrctl.config.loading import load_recipe
+from atrctl.core.losses import aggregation_normaliser
+from atrctl.errors import UserError
+from atrctl.model.batch import Rollout, equal_runs
+from atrctl.model.loading import build_char_tokenizer, build_model
+from atrctl.training.batching import (
     concat_rollouts,
-    equal_runs,
     least_padding_cut,
     micro_batches,
     parts,
@@ -31,13 +35,8 @@ from atrctl.batching import (
     sampling_chunks,
     trimmed,
 )
-from atrctl.config import load_recipe
-from atrctl.core.losses import aggregation_normaliser
-from atrctl.errors import UserError
-from atrctl.models import build_char_tokenizer, build_model
-from atrctl.rollout import Rollout
-from atrctl.train import train
 from atrctl.training.checks import validate_algo
+from atrctl.training.loop import train
 
 FAST = [
     "task.args.digits=1",
@@ -218,8 +217,8 @@ def test_micro_batches_give_the_same_weights(results, agg):
 def test_budgeted_micro_batches_fit_the_budget_and_give_the_same_weights(results, monkeypatch):
     """A budget that binds (algo.micro_batch = 0): every micro-batch holds at most what the budget allows at
     its own trimmed width, the cut spans several, and the weights are the whole mini-batch's."""
-    from atrctl import models
-    from atrctl import train as train_module
+    from atrctl.model import memory
+    from atrctl.training import loop as train_module
 
     whole, budgeted = results / "whole-budget", results / "budgeted"
     train(recipe(), whole, results=results)
@@ -230,13 +229,13 @@ def test_budgeted_micro_batches_fit_the_budget_and_give_the_same_weights(results
         for piece in pieces:
             sub = trimmed(rows(rollout, piece))
             width = sub.prompt_ids.shape[1] + sub.completion_ids.shape[1]
-            cuts.append((len(piece), models.sized_micro_batch(model, width)))
+            cuts.append((len(piece), memory.sized_micro_batch(model, width)))
         return pieces
 
     cut = train_module.cut_micro_batches
     tiny = build_model("tiny", build_char_tokenizer())
-    two_rows = 2 * models.activation_bytes_per_token(tiny, 10) * 10  # 1-3 rows at these 5 + <= 8 tokens
-    monkeypatch.setattr(models, "UPDATE_BUDGET", two_rows)
+    two_rows = 2 * memory.activation_bytes_per_token(tiny, 10) * 10  # 1-3 rows at these 5 + <= 8 tokens
+    monkeypatch.setattr(memory, "UPDATE_BUDGET", two_rows)
     monkeypatch.setattr(train_module, "cut_micro_batches", recorded)
     train(recipe(), budgeted, results=results)
     assert cuts and all(size <= cap for size, cap in cuts)
@@ -348,7 +347,7 @@ def test_nproc_relaunches_under_torchrun(results, single):
 def test_a_refusal_under_nproc_is_one_line_from_every_rank_together(results, single):
     """Rank 0 alone checks the lock; the others abide by its answer instead of waiting for it in a
     collective, and the launcher adds no report of its own."""
-    from atrctl.rundir import exclusive
+    from atrctl.training.rundir import exclusive
 
     held = results / "held"  # the run as a crash before its model was in place leaves it: resumable
     shutil.copytree(single, held)

@@ -4,8 +4,8 @@ import pandas as pd
 import pytest
 
 from atrctl.cli import main
-from atrctl.config import load_recipe, recipe_to_dict, to_toml
-from atrctl.models import build_char_tokenizer, build_model
+from atrctl.config.loading import load_recipe, recipe_to_dict, to_toml
+from atrctl.model.loading import build_char_tokenizer, build_model
 
 FAST = ["--n", "8", "--problems", "5", "--device", "cpu"]
 

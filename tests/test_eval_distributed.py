@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 import torch
 
-from atrctl import distributed
 from atrctl.cli import main
-from atrctl.evaluation import evaluate_model, sample_chunks
-from atrctl.models import build_char_tokenizer, build_model
+from atrctl.model.loading import build_char_tokenizer, build_model
+from atrctl.rollout.evaluate import evaluate_model, sample_chunks
+from atrctl.runtime import distributed
 from atrctl.tasks import Score, get_task
 
 # one problem per sampling chunk, greedy blocks of 8 problems: rank 1 samples 12 problems, greedy-decodes 8

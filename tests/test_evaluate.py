@@ -16,8 +16,8 @@ from atrctl.core.passk import (
     pass_at_k,
     pass_at_k_per_problem,
 )
-from atrctl.evaluation import evaluate_model
-from atrctl.models import build_char_tokenizer, build_model
+from atrctl.model.loading import build_char_tokenizer, build_model
+from atrctl.rollout.evaluate import evaluate_model
 from atrctl.tasks import Score, get_task
 
 
@@ -191,8 +191,8 @@ def test_evaluation_entropy_is_the_samples_surprisal(tiny):
 
 
 def test_a_kept_result_reads_back_only_under_its_own_key(tmp_path):
-    from atrctl.eval_report import RESULT_ARRAYS, load_result, save_result
-    from atrctl.records import DamagedFile
+    from atrctl.files.records import DamagedFile
+    from atrctl.reports.eval_report import RESULT_ARRAYS, load_result, save_result
 
     forms = [["1+2", None], [None, None]]
     result = EvalResult(["a", "b"], 2, np.array([[1, 0], [0, 0]], dtype=np.float32), [["3", None], [None, "4"]],

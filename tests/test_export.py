@@ -2,11 +2,11 @@
 
 import pytest
 
-from atrctl.arms import parse_arm
 from atrctl.cli import main
 from atrctl.core.divergence import equivalent_clip, trust_region
 from atrctl.errors import UserError
-from atrctl.export import constant_region, export
+from atrctl.experiments.arms import parse_arm
+from atrctl.integrations.export import constant_region, export
 
 
 def overrides(text: str) -> dict[str, str]:

@@ -6,9 +6,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from atrctl import forward
-from atrctl.forward import completion_logprobs_and_entropy, selective_log_softmax
-from atrctl.rollout import Rollout, position_ids
+from atrctl.model import forward
+from atrctl.model.batch import Rollout, position_ids
+from atrctl.model.forward import completion_logprobs_and_entropy, selective_log_softmax
 
 VOCAB = 3001
 
@@ -55,7 +55,7 @@ def todays(model, rollout: Rollout, temperature: float):
     completions on the prompt's cache, then float32 log_softmax of the whole [B, T, vocab]."""
     from transformers import DynamicCache
 
-    from atrctl.batching import equal_runs
+    from atrctl.model.batch import equal_runs
 
     prompt, prompt_mask, completion = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
     mask = torch.cat([prompt_mask, rollout.completion_mask], dim=1)

@@ -8,7 +8,7 @@ import torch
 
 from atrctl.core.divergence import equivalent_clip, kl3_bounds, trust_region
 from atrctl.errors import UserError
-from atrctl.models import build_char_tokenizer, build_model
+from atrctl.model.loading import build_char_tokenizer, build_model
 
 trl = pytest.importorskip("trl")
 from atrctl.integrations.trl import AtrctlGRPOTrainer, atr_grpo_config, region_grpo_config  # noqa: E402
@@ -142,8 +142,9 @@ def test_a_bad_loss_parameter_fails_before_trl_starts(tmp_path, model_dir):
 
 
 def test_atrctl_never_imports_trl_until_asked():
-    modules = ", ".join(["atrctl", "atrctl.cli", "atrctl.train", "atrctl.compare", "atrctl.export",
-                         "atrctl.integrations.trl", "atrctl.integrations.verl"])  # fmt: skip
+    modules = ", ".join(["atrctl", "atrctl.cli", "atrctl.training.loop", "atrctl.experiments.compare",
+                         "atrctl.integrations.export", "atrctl.integrations.trl",
+                         "atrctl.integrations.verl"])  # fmt: skip
     code = f"import sys, {modules}; assert not {{'trl', 'verl'}} & set(sys.modules), 'a trainer was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -177,8 +178,8 @@ def test_the_readme_trl_example_runs_on_the_tiny_model(tmp_path, model_dir, monk
 def test_export_for_trl_is_python_that_builds_the_regions_config(monkeypatch):
     import functools
 
-    from atrctl.arms import parse_arm
-    from atrctl.export import export
+    from atrctl.experiments.arms import parse_arm
+    from atrctl.integrations.export import export
 
     monkeypatch.setattr(trl, "GRPOConfig", functools.partial(trl.GRPOConfig, use_cpu=True))  # this CPU has no bf16
     namespace = {}

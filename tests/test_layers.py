@@ -1,6 +1,6 @@
-"""The package's layering, read from its imports (at the top of a module or inside a function alike): the math
-core imports nothing else of atrctl, no modules import each other in a circle, and the public paths that
-outlived the move into sub-packages still name the very same objects."""
+"""The package's layering, read from its imports (at the top of a module or inside a function alike): each layer
+imports only the layers below it, the math core imports nothing else of atrctl, no modules import each other
+in a circle, and the public paths that outlived the move into sub-packages still name the very same objects."""
 
 import ast
 from pathlib import Path
@@ -8,6 +8,23 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "atrctl"
+
+# Bottom to top; a module may import its own layer and those below.  Names are atrctl's sub-packages and
+# top-level modules; the public shims (atrctl.divergence, .losses, .passk, .advantages) sit with the core.
+LAYERS = [
+    {"core", "divergence", "losses", "passk", "advantages"},
+    {"errors", "numbers"},
+    {"files", "runtime"},
+    {"tasks"},
+    {"model"},
+    {"config"},
+    {"rollout"},
+    {"training"},
+    {"reports"},
+    {"experiments"},
+    {"integrations"},
+    {"cli", "__main__"},
+]
 
 
 def atrctl_imports(path: Path) -> set[str]:
@@ -17,7 +34,7 @@ def atrctl_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("atrctl")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("atrctl"):
-            found |= {f"{node.module}.{alias.name}" if node.module == "atrctl" else node.module for alias in node.names}
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # a module or a name in one
     return found
 
 
@@ -51,6 +68,24 @@ def test_no_modules_import_each_other_in_a_circle():
     assert not circles, circles[:3]
 
 
+def layer(module: str) -> int:
+    """The layer of `atrctl.<part>...`; the package itself (its version) counts as the bottom."""
+    part = module.split(".")[1] if "." in module else "core"
+    return next(i for i, names in enumerate(LAYERS) if part in names)
+
+
+def test_every_module_belongs_to_a_layer():
+    placed = set().union(*LAYERS)
+    unplaced = [name for name in module_graph() if "." in name and name.split(".")[1] not in placed]
+    assert not unplaced, unplaced
+
+
+def test_no_layer_imports_a_layer_above_it():
+    upward = [f"{name} -> {imported}" for name, imports in module_graph().items()
+              for imported in imports if layer(imported) > layer(name)]  # fmt: skip
+    assert not upward, upward
+
+
 @pytest.mark.parametrize("module", sorted(p.name for p in (PACKAGE / "core").glob("*.py")))
 def test_the_math_core_imports_nothing_else_of_atrctl(module):
     outside = {name for name in atrctl_imports(PACKAGE / "core" / module) if not name.startswith("atrctl.core")}
@@ -58,10 +93,15 @@ def test_the_math_core_imports_nothing_else_of_atrctl(module):
 
 
 def test_the_checks_read_real_imports():  # not a graph of nothing, which would pass them all
-    assert "atrctl.core.divergence" in atrctl_imports(PACKAGE / "core" / "losses.py")
-    assert "atrctl.core.losses" in atrctl_imports(PACKAGE / "train.py")
     graph = module_graph()
-    assert "atrctl.config" in graph["atrctl.rundir"] and "atrctl.cli.options" in graph["atrctl.cli.train"]
+    assert (
+        "atrctl.core.divergence" in graph["atrctl.core.losses"]
+        and "atrctl.core.losses" in graph["atrctl.training.loop"]
+    )
+    assert (
+        "atrctl.files.atomic" in graph["atrctl.training.rundir"] and "atrctl.cli.options" in graph["atrctl.cli.train"]
+    )
+    assert layer("atrctl.cli.train") > layer("atrctl.training.loop") > layer("atrctl.core.losses")
 
 
 @pytest.mark.parametrize(

@@ -4,18 +4,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from atrctl import models
 from atrctl.errors import UserError
-from atrctl.models import (
-    CHAR_ALPHABET,
-    build_char_tokenizer,
-    build_model,
-    count_parameters,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-    set_cpu_threads,
-)
+from atrctl.model import memory, numerics
+from atrctl.model.loading import CHAR_ALPHABET, build_char_tokenizer, build_model, load_model
+from atrctl.model.memory import count_parameters
+from atrctl.model.numerics import resolve_device, resolve_dtype
+from atrctl.runtime.machine import set_cpu_threads
 
 TEXT = "what is 12 + (3 * 4)?\nanswer: 24. yes, 1/2 < 3; 5 > 4!"
 
@@ -186,24 +180,24 @@ def test_set_cpu_threads(monkeypatch):
 def test_bf16_autocast_on_cpu_only_where_it_is_native_and_the_model_wide(
     monkeypatch, device, policy, native, width, expected
 ):
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: native)
-    chosen = models.numerics(torch.device(device), policy=policy, width=width)
+    monkeypatch.setattr(numerics, "cpu_has_native_bf16", lambda: native)
+    chosen = numerics.numerics(torch.device(device), policy=policy, width=width)
     assert chosen.autocast_dtype is expected and chosen.dtype is torch.float32  # frozen copies stay float32
-    assert models.numerics(torch.device(device), autocast=False, policy=policy, width=width).autocast_dtype is None
+    assert numerics.numerics(torch.device(device), autocast=False, policy=policy, width=width).autocast_dtype is None
 
 
 def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
-    models.cpu_has_native_bf16.cache_clear()
+    numerics.cpu_has_native_bf16.cache_clear()
     try:
         real = Path.read_text
         flags = {"amx_bf16": True, "avx512f avx512_vnni": False}
         for line, native in flags.items():
             monkeypatch.setattr(Path, "read_text", lambda self, *a, line=line, **k: f"flags\t\t: fpu {line} sse\n")
-            models.cpu_has_native_bf16.cache_clear()
-            assert models.cpu_has_native_bf16() is native
+            numerics.cpu_has_native_bf16.cache_clear()
+            assert numerics.cpu_has_native_bf16() is native
         monkeypatch.setattr(Path, "read_text", real)
     finally:
-        models.cpu_has_native_bf16.cache_clear()
+        numerics.cpu_has_native_bf16.cache_clear()
 
 
 def test_the_update_budget_is_a_quarter_of_a_gpus_memory_and_4_gib_on_a_cpu(monkeypatch, tokenizer):
@@ -214,8 +208,8 @@ def test_the_update_budget_is_a_quarter_of_a_gpus_memory_and_4_gib_on_a_cpu(monk
         total_memory = 80 * 2**30
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Card)
-    assert models.update_budget(torch.device("cpu")) == 4 * 2**30
-    assert models.update_budget(torch.device("cuda", 0)) == 20 * 2**30
+    assert memory.update_budget(torch.device("cpu")) == 4 * 2**30
+    assert memory.update_budget(torch.device("cuda", 0)) == 20 * 2**30
     model = build_model("medium", tokenizer)
-    per_row = models.activation_bytes_per_token(model, 2000) * 2000
-    assert models.sized_micro_batch(model, 2000) == 4 * 2**30 // per_row  # its parameters are on the CPU
+    per_row = memory.activation_bytes_per_token(model, 2000) * 2000
+    assert memory.sized_micro_batch(model, 2000) == 4 * 2**30 // per_row  # its parameters are on the CPU

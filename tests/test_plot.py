@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from atrctl import curves
 from atrctl.cli import main
-from atrctl.compare_report import training_figure
 from atrctl.errors import UserError
+from atrctl.experiments.compare_report import training_figure
+from atrctl.reports import curves
 
 
 def fake_run(directory, rewards, **more):

@@ -4,8 +4,8 @@ import pytest
 
 from atrctl.cli import main
 from atrctl.errors import UserError
-from atrctl.models import build_char_tokenizer
-from atrctl.prompts import PLAIN, PromptStyle, encode_prompts, prompt_style, prompt_text
+from atrctl.model.loading import build_char_tokenizer
+from atrctl.rollout.prompts import PLAIN, PromptStyle, encode_prompts, prompt_style, prompt_text
 from atrctl.tasks import Problem, get_task
 
 CHAT = (
@@ -70,7 +70,7 @@ def test_eval_refuses_a_system_prompt_without_the_chat_template(tmp_path, capsys
 
 
 def test_a_recipe_with_a_system_prompt_but_no_chat_template_is_refused():
-    from atrctl.config import load_recipe
+    from atrctl.config.loading import load_recipe
 
     with pytest.raises(UserError, match="task.system_prompt needs the chat template"):
         load_recipe(None, ["task.system_prompt=Be brief."])

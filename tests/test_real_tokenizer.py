@@ -14,11 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from atrctl.cli import main
 from atrctl.errors import UserError
-from atrctl.forward import completion_logprobs
-from atrctl.models import Numerics, load_model
-from atrctl.prompts import PromptStyle, encode_prompts, prompt_style
-from atrctl.rollout import Rollout, _decodes_as_its_backend, decode_completions
-from atrctl.sampling import HFSampler, stop_tokens
+from atrctl.model.batch import Rollout
+from atrctl.model.forward import completion_logprobs
+from atrctl.model.loading import load_model
+from atrctl.model.numerics import Numerics
+from atrctl.rollout.backend import _decodes_as_its_backend, decode_completions
+from atrctl.rollout.hf import HFSampler, stop_tokens
+from atrctl.rollout.prompts import PromptStyle, encode_prompts, prompt_style
 from atrctl.tasks import get_task
 
 TOKENIZER = Path(__file__).parent / "data" / "smollm2-tokenizer"
@@ -129,7 +131,7 @@ def test_missing_or_unexpected_weights_are_reported(model_dir, tmp_path, caplog)
     save_file(weights, damaged / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"missing model\.norm\.weight.*damaged"):
         load_model(str(damaged), "cpu", "float32", strict=True)  # a run's own final model
-    with caplog.at_level(logging.WARNING, logger="atrctl.models"):
+    with caplog.at_level(logging.WARNING, logger="atrctl.model.loading"):
         load_model(str(damaged), "cpu", "float32")  # a base model: used, but not silently
     assert "missing model.norm.weight" in caplog.text and "initialised at random" in caplog.text
 
@@ -168,7 +170,8 @@ def test_the_real_smollm2_imports_and_answers_five_fixed_prompts_stably(tmp_path
 def test_the_default_sampling_batch_is_sized_from_the_models_kv_cache():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from atrctl.models import MAX_SAMPLE_BATCH, build_char_tokenizer, build_model, kv_bytes_per_token, sized_batch
+    from atrctl.model.loading import build_char_tokenizer, build_model
+    from atrctl.model.memory import MAX_SAMPLE_BATCH, kv_bytes_per_token, sized_batch
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M's shape  # fmt: skip

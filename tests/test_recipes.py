@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from atrctl.cli import main
-from atrctl.config import load_recipe
-from atrctl.models import build_char_tokenizer, build_model
+from atrctl.config.loading import load_recipe
+from atrctl.model.loading import build_char_tokenizer, build_model
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 DATA = Path(__file__).parent / "data"

@@ -6,11 +6,10 @@ import json
 import pytest
 import torch
 
-from atrctl import config
-from atrctl import train as train_module
-from atrctl.catalog import sections
 from atrctl.cli import main
-from atrctl.config import RolloutConfig, RunConfig, load_recipe
+from atrctl.config import loading
+from atrctl.config.loading import load_recipe
+from atrctl.config.schema import RolloutConfig, RunConfig
 from atrctl.core.advantages import ADVANTAGE_ESTIMATORS
 from atrctl.core.divergence import TRUST_REGIONS, region_defaults
 from atrctl.core.losses import (
@@ -22,10 +21,13 @@ from atrctl.core.losses import (
     define_loss,
 )
 from atrctl.errors import UserError
-from atrctl.models import ARCHS, DTYPES
-from atrctl.rollout import ROLLOUT_BACKENDS
+from atrctl.model.loading import ARCHS
+from atrctl.model.numerics import DTYPES
+from atrctl.reports.catalog import sections
+from atrctl.rollout.backend import ROLLOUT_BACKENDS
 from atrctl.tasks import TASKS
-from atrctl.train import train
+from atrctl.training import loop as train_module
+from atrctl.training.loop import train
 
 FAST = [
     "task.args.digits=1",
@@ -63,7 +65,7 @@ def test_every_choice_list_is_its_registry():
         ("algo", "kl_estimator"): KL_ESTIMATORS,
     }
     for key, registry in registries.items():
-        assert config._CHOICES[key]() is registry, key  # the registry object itself, read when checked
+        assert loading._CHOICES[key]() is registry, key  # the registry object itself, read when checked
 
 
 def test_a_registered_estimator_is_a_valid_recipe_value_at_once(monkeypatch):
@@ -159,7 +161,7 @@ class RecordingSampler:
     calls: list = []
 
     def __init__(self, model, tokenizer, numerics):
-        from atrctl.sampling import HFSampler
+        from atrctl.rollout.hf import HFSampler
 
         self.inner = HFSampler(model, tokenizer, numerics)
 

@@ -7,10 +7,11 @@ import signal
 import pytest
 
 from atrctl.cli import main
-from atrctl.config import TRACKERS, RunConfig, check_report_to, load_recipe, recipe_from_dict
+from atrctl.config.loading import TRACKERS, check_report_to, load_recipe, recipe_from_dict
+from atrctl.config.schema import RunConfig
 from atrctl.errors import UserError
-from atrctl.reporting import REPORTERS, comparison_group, reporter_names
-from atrctl.train import train
+from atrctl.training.loop import train
+from atrctl.training.trackers import REPORTERS, comparison_group, reporter_names
 
 FAST = [
     "task.args.digits=1",
@@ -85,7 +86,7 @@ def test_a_run_of_a_comparison_is_grouped_under_it(tmp_path):
 
 
 def test_a_tracker_that_cannot_start_is_one_line_and_leaves_no_run(results, capsys, monkeypatch):
-    from atrctl import reporting
+    from atrctl.training import trackers as reporting
 
     def refuse(self, *args):
         raise RuntimeError("api_key not configured (no-tty)")
@@ -125,8 +126,8 @@ def test_report_to_flag_and_missing_wandb_are_one_line_before_anything_is_writte
 
 def test_where_a_comparison_reports_is_not_part_of_what_it_trains():
     """A rerun may add or drop trackers and still reuse the comparison's runs."""
-    from atrctl.compare import _same_record
-    from atrctl.config import recipe_to_dict
+    from atrctl.config.loading import recipe_to_dict
+    from atrctl.experiments.compare import _same_record
 
     def record(*overrides):
         return {"recipe": recipe_to_dict(recipe(*overrides)), "loss_args": {}}

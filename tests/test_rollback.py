@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atrctl import train as train_module
 from atrctl.cli import main
-from atrctl.config import load_recipe
-from atrctl.rollback import Snapshot
-from atrctl.rollout import NonFiniteProbabilities
-from atrctl.train import TrainingStopped, train
+from atrctl.config.loading import load_recipe
+from atrctl.rollout.backend import NonFiniteProbabilities
+from atrctl.training import loop as train_module
+from atrctl.training.loop import TrainingStopped, train
+from atrctl.training.rollback import Snapshot
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
         "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",

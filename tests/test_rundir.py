@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from atrctl.config import load_recipe
+from atrctl.config.loading import load_recipe
 from atrctl.errors import UserError
-from atrctl.models import build_char_tokenizer, build_model
-from atrctl.rundir import RunDir, default_run_name, environment
+from atrctl.model.loading import build_char_tokenizer, build_model
+from atrctl.training.rundir import RunDir, default_run_name, environment
 
 if sys.version_info >= (3, 11):
     import tomllib

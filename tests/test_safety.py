@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from atrctl import train as train_module
 from atrctl.cli import main
-from atrctl.compare import Arm, Comparison, prepare
-from atrctl.config import load_recipe
-from atrctl.rundir import aside, exclusive, restore_aside
-from atrctl.train import train
+from atrctl.config.loading import load_recipe
+from atrctl.experiments.compare import Arm, Comparison, prepare
+from atrctl.training import loop as train_module
+from atrctl.training.loop import train
+from atrctl.training.rundir import aside, exclusive, restore_aside
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
         "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
@@ -211,7 +211,7 @@ def test_a_second_writer_is_refused_with_one_line(results, capsys):
 def test_a_stale_checkpoint_staging_directory_is_cleaned_on_the_next_save(tmp_path):
     import torch
 
-    from atrctl.checkpoint import TrainState, save_checkpoint
+    from atrctl.training.checkpoint import TrainState, save_checkpoint
 
     (tmp_path / ".checkpoint.k1ll3d").mkdir()  # what a SIGKILL during a save leaves
     model = torch.nn.Linear(2, 2)
@@ -229,7 +229,7 @@ def test_training_children_end_when_their_compare_is_killed():
     import time
 
     parent_code = (
-        "import functools, os, subprocess, sys, time; from atrctl.compare import _end_with_parent; "
+        "import functools, os, subprocess, sys, time; from atrctl.experiments.compare import _end_with_parent; "
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
         "preexec_fn=functools.partial(_end_with_parent, os.getpid())); "
         "print(child.pid, flush=True); time.sleep(120)"
@@ -269,7 +269,7 @@ def test_more_bad_input_is_one_line_before_any_work(workspace, capsys, argv, fra
 
 
 def test_a_failed_compare_overwrite_puts_the_old_comparison_back(tmp_path, monkeypatch):
-    from atrctl import compare
+    from atrctl.experiments import compare
 
     old = compare.Comparison(tmp_path / "compare-x", [Arm("grpo", "grpo"), Arm("atr", "atr")], 1, recipe(), {})
     prepare(old, overwrite=False)
@@ -323,7 +323,7 @@ def test_a_resume_may_extend_a_run_but_not_change_what_it_trains(results, capsys
 
 
 def load_recipe_of(run):
-    from atrctl.rundir import RunDir
+    from atrctl.training.rundir import RunDir
 
     return RunDir(run).recipe()
 

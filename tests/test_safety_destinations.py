@@ -19,8 +19,8 @@ import pytest
 from test_safety import refused, workspace  # noqa: F401 - workspace is a fixture
 
 from atrctl.cli import main
-from atrctl.config import load_recipe, recipe_to_dict, to_toml
-from atrctl.curves import points
+from atrctl.config.loading import load_recipe, recipe_to_dict, to_toml
+from atrctl.reports.curves import points
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
         "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
@@ -196,7 +196,7 @@ def test_plot_of_runs_with_nothing_to_draw_or_a_loop_is_one_line(workspace, caps
 
 
 def test_a_malicious_pytorch_model_bin_is_one_line_naming_it(workspace, capsys):  # noqa: F811
-    from atrctl.models import build_char_tokenizer, build_model
+    from atrctl.model.loading import build_char_tokenizer, build_model
 
     tokenizer = build_char_tokenizer()
     model = Path("evil")
@@ -259,7 +259,7 @@ def test_a_full_stdout_is_one_line_and_a_closed_pipe_a_quiet_exit(workspace, cap
 
 
 def test_a_full_disk_mid_command_is_one_line_naming_the_file(workspace, capsys, monkeypatch):  # noqa: F811
-    import atrctl.compare
+    import atrctl.experiments.compare
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "results/compare-grpo-atr/report.md")
@@ -267,10 +267,10 @@ def test_a_full_disk_mid_command_is_one_line_naming_the_file(workspace, capsys, 
     def broken(*args, **kwargs):
         raise OSError(errno.EIO, os.strerror(errno.EIO), "results/compare-grpo-atr/report.md")
 
-    monkeypatch.setattr(atrctl.compare, "run_comparison", full)
+    monkeypatch.setattr(atrctl.experiments.compare, "run_comparison", full)
     argv = ["compare", "grpo", "atr", "--results", "results", "--problems", "10", "--n", "2"]
     refused(capsys, argv, "no space left on the device writing results/compare-grpo-atr/report.md")
-    monkeypatch.setattr(atrctl.compare, "run_comparison", broken)
+    monkeypatch.setattr(atrctl.experiments.compare, "run_comparison", broken)
     with pytest.raises(OSError):  # any other failure stays what it is: a bug is not dressed as bad input
         main(argv)
 
@@ -291,8 +291,8 @@ def train_argv(results: Path, name: str, *extra: str) -> list[str]:
 def test_a_disk_that_fills_during_training_leaves_the_last_checkpoint_resumable(tmp_path, capsys, mount, monkeypatch):
     """The disk fills after step 2's checkpoint: step 3's record cannot be written.  One line says to resume;
     once space is freed the resume finishes the run."""
-    from atrctl.base_cache import ensure_base
-    from atrctl.rundir import RunDir
+    from atrctl.training.base_cache import ensure_base
+    from atrctl.training.rundir import RunDir
 
     results = mount("16m")
     ensure_base(recipe(), results)
@@ -317,8 +317,8 @@ def test_a_disk_that_fills_during_training_leaves_the_last_checkpoint_resumable(
 
 @pytest.mark.slow
 def test_an_overwrite_that_fills_the_disk_puts_the_older_run_back(tmp_path, capsys, mount, monkeypatch):
-    from atrctl.base_cache import ensure_base
-    from atrctl.rundir import RunDir
+    from atrctl.training.base_cache import ensure_base
+    from atrctl.training.rundir import RunDir
 
     results = mount("16m")
     ensure_base(recipe(), results)
@@ -340,7 +340,7 @@ def test_an_overwrite_that_fills_the_disk_puts_the_older_run_back(tmp_path, caps
 
 @pytest.mark.slow
 def test_training_to_a_full_stdout_goes_on_and_says_so(results, capsys, monkeypatch):
-    from atrctl.rundir import RunDir
+    from atrctl.training.rundir import RunDir
 
     monkeypatch.setattr(sys, "stdout", Broken(errno.ENOSPC))
     monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", "0")  # a progress line at every step
@@ -377,7 +377,7 @@ def test_real_full_devices_and_closed_pipes_give_no_traceback(tmp_path, argv):
 
 
 def test_wandb_folders_are_the_runs_unless_the_user_chose_them(tmp_path, monkeypatch):
-    from atrctl.reporting import wandb_directories
+    from atrctl.training.trackers import wandb_directories
 
     monkeypatch.delenv("WANDB_CACHE_DIR", raising=False)
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "mine"))
@@ -413,7 +413,7 @@ def test_an_offline_wandb_run_writes_nothing_outside_its_run(results, tmp_path, 
 
 
 def test_a_killed_imports_staging_is_removed_by_the_next_and_a_running_ones_is_not(tmp_path):
-    from atrctl.gguf_import import remove_stale_staging
+    from atrctl.integrations.gguf_import import remove_stale_staging
 
     out = tmp_path / "model"
     stale, running, other = (tmp_path / ".model.import-k1ll3d"), (tmp_path / ".model.import-live"), tmp_path / ".x"

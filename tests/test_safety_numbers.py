@@ -5,7 +5,7 @@ import pytest
 from test_safety import refused, tree, workspace  # noqa: F401 - workspace is a fixture
 
 from atrctl import numbers
-from atrctl.config import load_recipe
+from atrctl.config.loading import load_recipe
 from atrctl.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -199,7 +199,7 @@ def test_atrctl_threads_is_checked_by_the_command_before_it_writes(workspace, ca
 
 
 def test_atrctl_threads_within_the_cpus_is_taken(monkeypatch):
-    from atrctl.models import requested_threads, usable_cpus
+    from atrctl.runtime.machine import requested_threads, usable_cpus
 
     monkeypatch.setenv("ATRCTL_THREADS", str(usable_cpus()))
     assert requested_threads() == usable_cpus()
@@ -234,8 +234,8 @@ def test_a_resume_whose_warm_up_key_changed_is_refused_before_a_base_is_warmed(w
     import dataclasses
     import json
 
-    from atrctl.checkpoint import TrainState
-    from atrctl.config import recipe_to_dict, to_toml
+    from atrctl.config.loading import recipe_to_dict, to_toml
+    from atrctl.training.checkpoint import TrainState
 
     recorded = recipe_to_dict(load_recipe(None, ["model.device=cpu", "warmup.max_steps=60"]))
     run = workspace / "outer" / "cwd" / "results" / "old"
@@ -255,7 +255,7 @@ def test_a_sweep_grid_value_is_checked_like_an_arms(workspace, capsys, grid):  #
 
 
 def test_an_arm_label_keeps_a_string_a_string():
-    from atrctl.arms import arm_text, format_value
+    from atrctl.experiments.arms import arm_text, format_value
 
     assert format_value("0.05") == '"0.05"' and format_value("kl1") == "kl1" and format_value(0.05) == "0.05"
     assert arm_text("divergence", [("measure", "kl1"), ("delta", 0.1)]) == "divergence:measure=kl1,delta=0.1"

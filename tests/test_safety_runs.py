@@ -12,15 +12,15 @@ import pytest
 from test_compare import FAST, compare_args
 from test_safety import refused, tree
 
-from atrctl.base_cache import base_key
 from atrctl.cli import main
-from atrctl.compare import check_kept_runs, plan_comparison, prepare, trained_recipe
-from atrctl.config import load_recipe
+from atrctl.config.loading import load_recipe
 from atrctl.core.passk import EvalResult
 from atrctl.errors import UserError
-from atrctl.eval_report import RESULT_ARRAYS, RESULT_RECORD, load_result, save_result
-from atrctl.records import DamagedFile
-from atrctl.rundir import RunDir
+from atrctl.experiments.compare import check_kept_runs, plan_comparison, prepare, trained_recipe
+from atrctl.files.records import DamagedFile
+from atrctl.reports.eval_report import RESULT_ARRAYS, RESULT_RECORD, load_result, save_result
+from atrctl.training.base_cache import base_key
+from atrctl.training.rundir import RunDir
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 SETS = [flag for item in FAST for flag in ("--set", item)]
@@ -157,8 +157,8 @@ def test_a_foreign_run_in_a_comparison_is_refused_before_any_work(tmp_path, caps
 
 
 def test_a_comparison_names_its_base_by_preset_so_its_runs_find_it_from_where_they_are(tmp_path):
-    from atrctl.compare import write_arm_recipes
-    from atrctl.rundir import bases_folder
+    from atrctl.experiments.compare import write_arm_recipes
+    from atrctl.training.rundir import bases_folder
 
     comparison = comparison_of(tmp_path / "results")
     prepare(comparison, overwrite=False)

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from atrctl.errors import UserError
-from atrctl.forward import completion_logprobs
-from atrctl.models import build_char_tokenizer, build_model
-from atrctl.rollout import Rollout, decode_completions
-from atrctl.sampling import draw, sample
+from atrctl.model.batch import Rollout
+from atrctl.model.forward import completion_logprobs
+from atrctl.model.loading import build_char_tokenizer, build_model
+from atrctl.rollout.backend import decode_completions
+from atrctl.rollout.hf import draw, sample
 
 TEXTS = ["12+3=", "7*8=", "100-99=", "a", "(4+4)/2="]
 
@@ -92,8 +93,8 @@ def test_mask_when_pad_is_eos(model, tokenizer, prompts):
 
 
 def test_every_eos_id_of_the_generation_config_ends_a_completion(model, tokenizer, prompts):
-    from atrctl.models import Numerics
-    from atrctl.sampling import HFSampler, stop_tokens
+    from atrctl.model.numerics import Numerics
+    from atrctl.rollout.hf import HFSampler, stop_tokens
 
     plain = sample(model, prompts, max_new_tokens=6, greedy=True, eos_id=tokenizer.eos_token_id,
                    pad_id=tokenizer.pad_token_id)  # fmt: skip
@@ -281,7 +282,7 @@ def test_draw_refuses_probabilities_that_are_not_finite(bad):
 def test_the_preallocated_cache_samples_what_a_growing_cache_samples(model, tokenizer, prompts, monkeypatch):
     from transformers import DynamicCache
 
-    import atrctl.sampling as sampling
+    import atrctl.rollout.hf as sampling
 
     with eos_bias(model, tokenizer, 1.0):
         written_in_place = run(model, tokenizer, prompts, repeats=2, max_new_tokens=20)
@@ -331,7 +332,7 @@ def test_cpu_decode_attention_equals_sdpa(tokenizer, prompts, monkeypatch, kv_he
     """The one-query attention used for decoding on CPU samples what sdpa samples (grouped KV heads, padded rows)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from atrctl import sampling
+    from atrctl.rollout import hf as sampling
 
     torch.manual_seed(0)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -366,7 +367,7 @@ def batch_sizes(model):
 def test_finished_rows_leave_the_batch_without_changing_the_samples(model, tokenizer, prompts, kwargs):
     """Dropping ended rows keeps every row's tokens (the CPU draws each row's uniform from the whole batch's)
     and logprobs; the decode steps run on fewer rows, never carrying more than COMPACT_AT of them ended."""
-    from atrctl.sampling import COMPACT_AT
+    from atrctl.rollout.hf import COMPACT_AT
 
     kwargs = {"eos_id": tokenizer.eos_token_id, **kwargs}
     prompts = prompts * 4
@@ -394,7 +395,7 @@ def test_finished_rows_leave_the_batch_without_changing_the_samples(model, token
 def test_the_cache_drops_rows_as_a_cache_rebuilt_from_those_rows(model, tokenizer, prompts):
     """PreallocatedLayer.batch_select_indices gathers the kept rows' filled positions into new buffers: the
     next step's logits equal those of a batch that only ever held the kept rows."""
-    from atrctl.sampling import preallocated_cache
+    from atrctl.rollout.hf import preallocated_cache
 
     ids, mask = (torch.tensor([[5, 6, 7, 8]] * 4) + torch.arange(4)[:, None]), torch.ones(4, 4, dtype=torch.long)
     keep = torch.tensor([1, 3])
@@ -418,7 +419,7 @@ def test_a_cache_whose_layers_keep_other_state_keeps_every_row(model, tokenizer,
     (standing in for a hybrid model's linear-attention layers) decodes every row to the end."""
     from transformers import DynamicCache
 
-    import atrctl.sampling as sampling
+    import atrctl.rollout.hf as sampling
 
     assert sampling.can_drop_rows(sampling.preallocated_cache(model, capacity=4))
     assert not sampling.can_drop_rows(DynamicCache(config=model.config))
@@ -434,7 +435,7 @@ def test_a_cache_whose_layers_keep_other_state_keeps_every_row(model, tokenizer,
 
 
 def test_the_character_tokenizer_decodes_a_batch_as_row_by_row(tokenizer):
-    from atrctl.rollout import _decodes_as_its_backend
+    from atrctl.rollout.backend import _decodes_as_its_backend
 
     assert _decodes_as_its_backend(tokenizer)
     generator = torch.Generator().manual_seed(1)
@@ -453,7 +454,7 @@ def test_the_character_tokenizer_decodes_a_batch_as_row_by_row(tokenizer):
 def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer, monkeypatch):
     """transformers post-processes a decode when clean_up_tokenization_spaces is set (" ." -> "."): the batched
     backend call would skip that, so such a tokenizer decodes row by row."""
-    from atrctl.rollout import _decodes_as_its_backend
+    from atrctl.rollout.backend import _decodes_as_its_backend
 
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
     assert not _decodes_as_its_backend(tokenizer)
@@ -496,7 +497,7 @@ def test_under_bf16_autocast_each_weight_is_cast_once_a_rollout_and_nothing_chan
 )
 def test_casts_are_kept_only_where_that_won(autocast, compiled, keeps):
     """no_grad (casts kept) for eager sampling under autocast; inference_mode, cheaper, everywhere else."""
-    from atrctl.sampling import _without_grad
+    from atrctl.rollout.hf import _without_grad
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         mode = _without_grad(torch.device("cpu"), compiled)

@@ -21,10 +21,10 @@ import pytest
 import torch
 from test_distributed import assert_same_weights, weights  # the data-parallel tests' tolerance
 
-from atrctl.config import load_recipe
+from atrctl.config.loading import load_recipe
 from atrctl.errors import UserError
-from atrctl.sharding import check_can_shard
-from atrctl.train import train
+from atrctl.training.loop import train
+from atrctl.training.sharding import check_can_shard
 
 FAST = [
     "task.args.digits=1",
@@ -109,8 +109,8 @@ def test_a_sharded_run_in_one_process_is_refused_before_anything_is_written(tmp_
 def test_the_samplers_copy_under_bf16_autocast_holds_bf16_linears_and_computes_the_same_logits():
     """Autocast casts a linear layer's float32 weight to bf16 before each product, so a copy that stores it in
     bf16 computes the same logits, bit for bit, in half the memory; the tied embedding stays float32."""
-    from atrctl.models import build_char_tokenizer, build_model
-    from atrctl.sharding import full_copy
+    from atrctl.model.loading import build_char_tokenizer, build_model
+    from atrctl.training.sharding import full_copy
 
     for arch in ("llama", "qwen2"):  # qwen2's q/k/v projections have biases
         model = build_model("tiny", build_char_tokenizer(), arch=arch).eval()

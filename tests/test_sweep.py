@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from atrctl import compare
 from atrctl.cli import main
-from atrctl.config import load_recipe
+from atrctl.config.loading import load_recipe
 from atrctl.core.divergence import kl3_bounds
 from atrctl.errors import UserError
-from atrctl.sweep import Grid, grid_points, parse_grid, plan_sweep
-from atrctl.sweep_report import _is_log_axis, region_of
+from atrctl.experiments import compare
+from atrctl.experiments.sweep import Grid, grid_points, parse_grid, plan_sweep
+from atrctl.experiments.sweep_report import _is_log_axis, region_of
 
 FAST = ["rollout.prompts=4", "rollout.group_size=4", "algo.minibatches=2", "model.device=cpu"]
 

@@ -17,9 +17,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from atrctl import train as train_module
-from atrctl.base_cache import ensure_base
-from atrctl.checkpoint import (
+from atrctl.cli import main
+from atrctl.config.loading import load_recipe, recipe_from_dict
+from atrctl.config.schema import AlgoConfig
+from atrctl.core.losses import LossOutput
+from atrctl.errors import UserError
+from atrctl.model.loading import build_char_tokenizer
+from atrctl.model.numerics import Numerics
+from atrctl.rollout.hf import HFSampler
+from atrctl.training import loop as train_module
+from atrctl.training.base_cache import ensure_base
+from atrctl.training.checkpoint import (
     TrainState,
     find_checkpoint,
     load_checkpoint,
@@ -28,13 +36,7 @@ from atrctl.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from atrctl.cli import main
-from atrctl.config import AlgoConfig, load_recipe, recipe_from_dict
-from atrctl.core.losses import LossOutput
-from atrctl.errors import UserError
-from atrctl.models import Numerics, build_char_tokenizer
-from atrctl.sampling import HFSampler
-from atrctl.train import TrainingStopped, recomputes_old_logprobs, train
+from atrctl.training.loop import TrainingStopped, recomputes_old_logprobs, train
 from atrctl.training.schedule import lr_at, prompts_for_step
 from atrctl.training.step_metrics import STEP_PHASES
 

@@ -4,11 +4,11 @@ forward/backward (their policy-loss gradient is exactly 0), and the mini-batch's
 import pytest
 import torch
 
-from atrctl import train as train_module
-from atrctl.config import load_recipe
+from atrctl.config.loading import load_recipe
 from atrctl.core.losses import POLICY_LOSSES, define_loss, loss_parameters, policy_loss
-from atrctl.forward import completion_logprobs
-from atrctl.train import build_run, recomputes_old_logprobs, rollout_step, skips_zero_advantage, update_step
+from atrctl.model.forward import completion_logprobs
+from atrctl.training import loop as train_module
+from atrctl.training.loop import build_run, recomputes_old_logprobs, rollout_step, skips_zero_advantage, update_step
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
         "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",

@@ -6,12 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from atrctl import base_cache
 from atrctl.cli import main
-from atrctl.config import load_recipe
-from atrctl.models import build_char_tokenizer
+from atrctl.config.loading import load_recipe
+from atrctl.model.loading import build_char_tokenizer
 from atrctl.tasks import Problem, get_task
-from atrctl.warmup import answer_budget, encode_examples
+from atrctl.training import base_cache
+from atrctl.training.warmup import answer_budget, encode_examples
 
 FAST = [
     "task.args.digits=1",
@@ -51,7 +51,7 @@ def test_base_is_built_once_and_reused(tmp_path, monkeypatch):
     assert model.config.num_hidden_layers == 2
     assert sorted(p.name for p in (tmp_path / "bases").iterdir()) == [path.name]  # no staging left behind
 
-    monkeypatch.setattr("atrctl.warmup.warm_up", lambda *a, **k: pytest.fail("a cached base was rebuilt"))
+    monkeypatch.setattr("atrctl.training.warmup.warm_up", lambda *a, **k: pytest.fail("a cached base was rebuilt"))
     assert base_cache.ensure_base(recipe, tmp_path) == (path, info)
     other = load_recipe("recipes/default.toml", [*FAST, "warmup.seed=1"])
     assert base_cache.base_key(other) != base_cache.base_key(recipe)
@@ -77,7 +77,9 @@ def test_a_warmup_that_reaches_its_target_early_reports_its_real_total(tmp_path,
     """The progress total shrinks to the step that reached the target, so the bar ends complete: a log's
     heartbeat once kept writing "warm-up base 400/3000" with a growing remaining time through the training."""
     recipe = load_recipe("recipes/default.toml", FAST)
-    monkeypatch.setattr("atrctl.warmup.greedy_accuracy", lambda *_, **__: 1.0)  # the target, at the first check
+    monkeypatch.setattr(
+        "atrctl.training.warmup.greedy_accuracy", lambda *_, **__: 1.0
+    )  # the target, at the first check
     seen = []
     _, info = base_cache.ensure_base(recipe, tmp_path, lambda *report: seen.append(report[:2]))
     assert info["steps"] == 10

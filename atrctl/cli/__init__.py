@@ -1,10 +1,11 @@
 """The `atrctl` command line: parse the flags, call the core, print what it returns.
 
 One module per command or small group, in the order `atrctl --help` lists them; what several share (the app,
-options, evaluation defaults, checks) is `atrctl.cli.options`.  The work is done by core functions callable
-from Python (`atrctl.train.train`, `atrctl.evaluation.run_evaluation`, `atrctl.compare.run_comparison`, ...);
-what is shown is `atrctl.display`.  Heavy libraries (torch, transformers) are imported inside the commands that
-need them, so `atrctl --help` and `atrctl plot-bounds` start quickly.
+options, evaluation defaults, checks) is `atrctl.cli.options`.  The work is done by functions callable from
+Python (`atrctl.training.loop.train`, `atrctl.experiments.evaluation.run_evaluation`,
+`atrctl.experiments.compare.run_comparison`, ...); what is shown is `atrctl.cli.display`.  Heavy libraries
+(torch, transformers) are imported inside the commands that need them, so `atrctl --help` and `atrctl plot-bounds`
+start quickly.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import sys
 import typer
 
 from atrctl.cli import compare, evaluate, export, import_gguf, ls, plots, train
+from atrctl.cli.display import OutputLost, stderr
 from atrctl.cli.options import app
-from atrctl.destinations import disk_full
-from atrctl.display import OutputLost, stderr
 from atrctl.errors import UserError
+from atrctl.files.destinations import disk_full
 
 COMMANDS = {
     "plot-bounds": plots.plot_bounds,
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return main_error(full)
     except UserError as error:
-        from atrctl.distributed import is_main, rank
+        from atrctl.runtime.distributed import is_main, rank
 
         if is_main() or not error.shared:  # under torchrun a shared refusal is said once
             where = "" if is_main() else f"[rank {rank()}] "

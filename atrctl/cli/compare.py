@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from atrctl.cli.display import console, stderr
 from atrctl.cli.options import (
     EVALUATION,
     ArmProblemsOption,
@@ -20,8 +21,7 @@ from atrctl.cli.options import (
     SetOption,
     report_to_sets,
 )
-from atrctl.config import RunConfig
-from atrctl.display import console, stderr
+from atrctl.config.schema import RunConfig
 
 
 def compare(
@@ -47,9 +47,9 @@ def compare(
     """Train and evaluate several algorithms side by side (e.g. `atrctl compare grpo atr`)."""
     import shlex
 
-    from atrctl import display
-    from atrctl.compare import plan_comparison
-    from atrctl.config import load_recipe
+    from atrctl.cli import display
+    from atrctl.config.loading import load_recipe
+    from atrctl.experiments.compare import plan_comparison
 
     display.quiet_libraries()
     sets = [*([f"run.steps={steps}"] if steps is not None else []), *report_to_sets(report_to), *(set_ or [])]
@@ -75,8 +75,8 @@ def compare(
 
 def _run_and_show(comparison, table, report=None, **options) -> None:
     """`run_comparison` under progress bars, then its table and where the report is; Ctrl-C says how to resume."""
-    from atrctl import display
-    from atrctl.compare import run_comparison
+    from atrctl.cli import display
+    from atrctl.experiments.compare import run_comparison
 
     try:
         with display.phase_bars() as advance:
@@ -120,10 +120,10 @@ def sweep(
     `atrctl sweep atr --grid max_kl3=0.02,0.05,0.1,0.2 --vs grpo`)."""
     import shlex
 
-    from atrctl import display
-    from atrctl.config import load_recipe
-    from atrctl.sweep import plan_sweep
-    from atrctl.sweep_report import write_sweep_report
+    from atrctl.cli import display
+    from atrctl.config.loading import load_recipe
+    from atrctl.experiments.sweep import plan_sweep
+    from atrctl.experiments.sweep_report import write_sweep_report
 
     display.quiet_libraries()
     sets = [*([f"run.steps={steps}"] if steps is not None else []), *report_to_sets(report_to), *(set_ or [])]

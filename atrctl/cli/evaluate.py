@@ -9,10 +9,10 @@ from typing import Annotated
 import typer
 
 from atrctl import numbers
+from atrctl.cli.display import console
 from atrctl.cli.options import DEVICE_HELP, EVALUATION, NprocOption, check_nproc
-from atrctl.destinations import check_destination
-from atrctl.display import console
 from atrctl.errors import UserError
+from atrctl.files.destinations import check_destination
 
 
 def eval_command(
@@ -71,10 +71,11 @@ def eval_command(
     """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy: table, CSV, markdown and plot.
 
     Under torchrun (or --nproc) each process samples a share of the problems; rank 0 alone writes and prints."""
-    from atrctl import display, distributed
-    from atrctl.config import parse_task_args
-    from atrctl.evaluation import eval_target, parse_ks, run_evaluation
-    from atrctl.rundir import has_evaluation
+    from atrctl.cli import display
+    from atrctl.config.loading import parse_task_args
+    from atrctl.experiments.evaluation import eval_target, parse_ks, run_evaluation
+    from atrctl.runtime import distributed
+    from atrctl.training.rundir import has_evaluation
 
     for value, flag, example in (
         (n, "--n", 256),
@@ -124,7 +125,7 @@ def eval_command(
         return
     result, setting, paths = done
     if reported is not None:
-        from atrctl.reporting import report_evaluation
+        from atrctl.training.trackers import report_evaluation
 
         report_evaluation(reported, spec.directory / "passk.csv")
     console.print(display.passk_table(result.summary(ks), ks, f"pass@k: {setting}"))
@@ -133,8 +134,8 @@ def eval_command(
 
 def _reported_run(target: str, out: Path) -> Path | None:
     """The run whose own eval/ an evaluation writes, when its recipe names trackers (their libraries checked)."""
-    from atrctl.reporting import check_installed, reporter_names
-    from atrctl.rundir import RunDir
+    from atrctl.training.rundir import RunDir
+    from atrctl.training.trackers import check_installed, reporter_names
 
     run = RunDir(target)
     if not run.config.is_file() or Path(out).resolve() != run.eval.resolve():

@@ -6,8 +6,8 @@ from typing import Annotated
 
 import typer
 
+from atrctl.cli.display import console
 from atrctl.cli.options import EpsHighOption, EpsOption, MaxKl3Option
-from atrctl.display import console
 from atrctl.errors import UserError
 
 
@@ -21,9 +21,9 @@ def export(
     eps_high: EpsHighOption = None,
 ) -> None:
     """Print the settings that train a loss inside TRL or verl (e.g. `atrctl export --to verl --max-kl3 0.05`)."""
-    from atrctl.arms import arm_text, parse_arm
     from atrctl.core.losses import flag_parameters, loss_parameters
-    from atrctl.export import export as snippet
+    from atrctl.experiments.arms import arm_text, parse_arm
+    from atrctl.integrations.export import export as snippet
 
     parsed = parse_arm(arm)
     if parsed.loss is None:

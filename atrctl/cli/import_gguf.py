@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from atrctl.display import console
+from atrctl.cli.display import console
 
 
 def import_gguf_command(
@@ -16,8 +16,8 @@ def import_gguf_command(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing model directory at --out.")] = False,
 ) -> None:
     """Dequantise a GGUF model into an ordinary Hugging Face directory, checked to reload with identical logits."""
-    from atrctl import display
-    from atrctl.gguf_import import import_gguf
+    from atrctl.cli import display
+    from atrctl.integrations.gguf_import import import_gguf
 
     display.quiet_libraries()
     with console.status(f"reading {file}"):

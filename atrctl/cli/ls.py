@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from atrctl.display import console
+from atrctl.cli.display import console
 
 
 def list_registered() -> None:
     """List what recipes can name: losses (with parameters), trust regions, estimators, tasks, backends, recipes."""
-    from atrctl import display
-    from atrctl.catalog import sections
+    from atrctl.cli import display
+    from atrctl.reports.catalog import sections
 
     for section in sections():
         console.print(display.catalog_table(section.title, section.columns, section.rows))

@@ -11,11 +11,11 @@ from typing import Annotated, NamedTuple
 import typer
 
 from atrctl import __version__
-from atrctl.bounds_table import FIGURE_FORMATS
+from atrctl.cli.display import console
 from atrctl.core.divergence import region_defaults
-from atrctl.display import console
 from atrctl.errors import UserError
-from atrctl.models import DEVICES
+from atrctl.model.numerics import DEVICES
+from atrctl.reports.bounds_table import FIGURE_FORMATS
 
 app = typer.Typer(
     name="atrctl",
@@ -112,7 +112,7 @@ def report_to_sets(names: list[str] | None) -> list[str]:
     if not names:
         return []
     listed = [name.strip() for given in names for name in given.split(",") if name.strip()]
-    from atrctl.config import check_report_to
+    from atrctl.config.loading import check_report_to
 
     check_report_to(listed)
     return ["run.report_to=[" + ", ".join(f'"{name}"' for name in listed) + "]"]
@@ -134,7 +134,7 @@ def unit_open(value: float, flag: str) -> float:
 
 
 def check_nproc(nproc: int | None) -> None:
-    from atrctl import distributed
+    from atrctl.runtime import distributed
 
     if nproc is not None and (nproc < 1 or distributed.world_size() > 1):
         raise UserError(f"--nproc {nproc}: give a count >= 1, and only outside torchrun (which sets its own)")

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
+from atrctl.cli.display import console
 from atrctl.cli.options import DEFAULT_EPS, DEFAULT_EPS_HIGH, DEFAULT_MAX_KL3, FigureFormat, positive, unit_open
-from atrctl.display import console
 from atrctl.errors import UserError
 
 
@@ -24,7 +24,7 @@ def plot_bounds(
     fmt: Annotated[FigureFormat | None, typer.Option("--format", help="Figure format.")] = None,
 ) -> None:
     """Show the ratio interval each divergence constraint implies: table, CSV and figure."""
-    from atrctl import display
+    from atrctl.cli import display
     from atrctl.core.divergence import MAX_KL3, MIN_KL3
 
     for delta in max_kl3:
@@ -34,7 +34,7 @@ def plot_bounds(
     unit_open(eps, "--eps")
     positive(eps_high, "--eps-high")
 
-    from atrctl import bounds_table
+    from atrctl.reports import bounds_table
 
     figure_path = bounds_table.figure_path(out, fmt and fmt.value, max_kl3)
 
@@ -66,8 +66,8 @@ def plot(
     ] = None,
 ) -> None:
     """Overlay training curves of any runs from their metrics.jsonl: seeds of an arm as a mean and a band."""
-    from atrctl import curves
-    from atrctl.bounds_table import checked_figure_path
+    from atrctl.reports import curves
+    from atrctl.reports.bounds_table import checked_figure_path
 
     if smooth < 1:
         raise UserError(f"--smooth must be at least 1 (got {smooth}); 1 draws every step as logged")

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from atrctl.cli.display import console, stderr
 from atrctl.cli.options import (
     DEVICE_HELP,
     EpsHighOption,
@@ -22,10 +23,9 @@ from atrctl.cli.options import (
     check_nproc,
     report_to_sets,
 )
-from atrctl.config import AlgoConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig
-from atrctl.destinations import check_destination, disk_full
-from atrctl.display import console, stderr
+from atrctl.config.schema import AlgoConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig
 from atrctl.errors import UserError
+from atrctl.files.destinations import check_destination, disk_full
 
 
 def warmup(
@@ -35,10 +35,10 @@ def warmup(
     results: Annotated[Path, typer.Option(help="Results folder; bases live in <results>/bases/.")] = Path("results"),
 ) -> None:
     """Build (or reuse) the warmed-up base model of a recipe and report its held-out greedy accuracy."""
-    from atrctl import display
-    from atrctl.base_cache import base_key, ensure_base
-    from atrctl.config import load_recipe
-    from atrctl.models import PRESETS
+    from atrctl.cli import display
+    from atrctl.config.loading import load_recipe
+    from atrctl.model.loading import PRESETS
+    from atrctl.training.base_cache import base_key, ensure_base
 
     display.quiet_libraries()
     config = load_recipe(recipe, list(set_ or []) + ([f"warmup.seed={seed}"] if seed is not None else []))
@@ -90,9 +90,10 @@ def train(
     nproc: NprocOption = None,
 ) -> None:
     """Train a policy with GRPO, ATR-GRPO or another registered loss."""
-    from atrctl import display, distributed
-    from atrctl.config import load_recipe_with_flags
-    from atrctl.rundir import RunDir, check_name, default_run_name
+    from atrctl.cli import display
+    from atrctl.config.loading import load_recipe_with_flags
+    from atrctl.runtime import distributed
+    from atrctl.training.rundir import RunDir, check_name, default_run_name
 
     display.quiet_libraries()
     flags = {
@@ -118,9 +119,9 @@ def train(
         config = load_recipe_with_flags(recipe, flags, [*report_to_sets(report_to), *(set_ or [])], *loss_flags)
         run_dir = RunDir(results / (check_name(name) if name is not None else default_run_name(config)))
 
-    from atrctl.train import TrainingStopped
-    from atrctl.train import train as run_training
     from atrctl.training.checks import validate_algo
+    from atrctl.training.loop import TrainingStopped
+    from atrctl.training.loop import train as run_training
 
     check_nproc(nproc)
     validate_algo(config, nproc)
@@ -145,7 +146,7 @@ def train(
                 on_notice=lambda note: stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True),
             )
     except KeyboardInterrupt:
-        from atrctl.checkpoint import find_checkpoint
+        from atrctl.training.checkpoint import find_checkpoint
 
         if not main_rank:
             raise typer.Exit(130) from None
@@ -177,7 +178,7 @@ def train(
 def _checkpointed_since(run_dir, started_ns: int) -> bool:
     """Whether this command wrote a checkpoint of the run (else an --overwrite put the older run back, or none
     was reached: the same command starts it again)."""
-    from atrctl.checkpoint import find_checkpoint
+    from atrctl.training.checkpoint import find_checkpoint
 
     found = find_checkpoint(run_dir.checkpoint)
     return found is not None and (found / "state.json").stat().st_mtime_ns >= started_ns

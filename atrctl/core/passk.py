@@ -1,7 +1,7 @@
 """Evaluation math (docs/design.md §4): pass@k, maj@k, avg@n and bootstrap intervals over problems.
 
 Pure numpy functions, so a comparison can recompute any figure from the per-sample rewards.  A sample
-is *correct* when it earns the full reward (1).  Sampling the completions is `atrctl.evaluation`'s job.
+is *correct* when it earns the full reward (1).  Sampling the completions is `atrctl.experiments.evaluation`'s job.
 """
 
 from __future__ import annotations

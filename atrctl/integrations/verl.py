@@ -28,7 +28,7 @@ def register(*arms: str) -> list[str]:
     """Add every atrctl loss verl does not already have to verl's policy-loss registry under its atrctl name,
     and each of `arms` (`LOSS:key=value,…`) under its label with its parameters; returns the names added
     (registering again replaces them).  Bad arms or values fail here, before verl trains."""
-    from atrctl.arms import parse_arm
+    from atrctl.experiments.arms import parse_arm
 
     core = require("verl.trainer.ppo.core_algos", INSTALL, WHAT)
     registry = core.POLICY_LOSS_REGISTRY

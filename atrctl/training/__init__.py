@@ -1,3 +1,2 @@
-"""The parts of a training run, one job each, that `atrctl.train` (the run's lifecycle and its step) puts
-together: the data order and learning-rate schedule, the checks made before any work, the update's
-micro-batches, and how a step's metrics are timed and reduced over micro-batches and ranks."""
+"""A training run, one job per module: the loop and its step, the checks before any work, micro-batches,
+checkpoints and the run directory, sharding, the bad-step rollback, the warmed-up base and the trackers."""

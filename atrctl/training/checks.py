@@ -6,12 +6,13 @@ from __future__ import annotations
 import functools
 import json
 
-from atrctl import distributed
-from atrctl.adapters import check_rank, lora_settings
-from atrctl.config import Recipe, recipe_to_dict
+from atrctl.config.loading import recipe_to_dict
+from atrctl.config.schema import Recipe
 from atrctl.core.losses import POLICY_LOSSES, check_loss
 from atrctl.errors import UserError
-from atrctl.prompts import check_lengths, encode_prompts, prompt_style
+from atrctl.model.adapters import check_rank, lora_settings
+from atrctl.rollout.prompts import check_lengths, encode_prompts, prompt_style
+from atrctl.runtime import distributed
 from atrctl.tasks import get_task, problem_pool
 from atrctl.training.schedule import PROMPT_POOL
 
@@ -44,8 +45,9 @@ def check_before_warmup(recipe: Recipe) -> None:
     """What can be refused without the base model, checked before it is warmed up (hours for a preset) and
     before anything is written: ATRCTL_THREADS, the memory the step's and the held-out check's samples take
     at the least, and for a preset (whose shape is known before it exists) the LoRA rank and prompt lengths."""
-    from atrctl.evaluation import BYTES_PER_SAMPLE, check_fits, check_samples_fit
-    from atrctl.models import MAX_POSITIONS, PRESETS, requested_threads
+    from atrctl.model.loading import MAX_POSITIONS, PRESETS
+    from atrctl.rollout.evaluate import BYTES_PER_SAMPLE, check_samples_fit
+    from atrctl.runtime.machine import check_fits, requested_threads
 
     requested_threads()
     rollout = recipe.rollout
@@ -68,7 +70,7 @@ def check_before_warmup(recipe: Recipe) -> None:
 def _longest_preset_prompt(task_section: str, seed: int, problems: int, eval_seed: int) -> int:
     """Tokens of the longest prompt a preset sees (its prompt pool and held-out problems): kept per setting, as
     every arm of a comparison shares it and encoding the pool takes a large part of a second."""
-    from atrctl.models import build_char_tokenizer
+    from atrctl.model.loading import build_char_tokenizer
 
     section = json.loads(task_section)
     task = get_task(section["name"], **section["args"])

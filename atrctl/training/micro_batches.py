@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from atrctl import distributed
-from atrctl.batching import micro_batches, rows, trimmed
-from atrctl.config import AlgoConfig
-from atrctl.models import sized_micro_batch, update_budget
-from atrctl.rollout import Rollout
+from atrctl.config.schema import AlgoConfig
+from atrctl.model.batch import Rollout
+from atrctl.model.memory import sized_micro_batch, update_budget
+from atrctl.runtime import distributed
+from atrctl.training.batching import micro_batches, rows, trimmed
 
 PASS_TOKENS = {"cpu": 512}
 """A forward/backward pass's fixed cost in tokens' worth of its work, by device type, for the cut of the update's rows

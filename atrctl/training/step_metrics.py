@@ -9,8 +9,8 @@ from contextlib import contextmanager
 
 import torch
 
-from atrctl import distributed
 from atrctl.core.losses import metric_reduction
+from atrctl.runtime import distributed
 
 STEP_PHASES = ("rollout", "reward", "logprobs", "update")
 """Where a step's time goes: sampling, decoding + verifying, old/reference logprobs, optimiser steps."""

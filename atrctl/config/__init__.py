@@ -1,0 +1,1 @@
+"""Recipes: `schema` declares every setting with its default, `loading` reads, checks and writes them."""

@@ -1,0 +1,1 @@
+"""The process's place in the world: its rank under torchrun, its CPUs and memory, and the allocator's settings."""
