@@ -1,6 +1,6 @@
 """Where a training step's CPU time goes, operator by operator (torch.profiler).
 
-Not a test. Runs a few real steps (`atrctl.training.loop.train_step`) of the default recipe on a freshly
+Not a test. Runs a few real steps (`atrctl.training.step.train_step`) of the default recipe on a freshly
 initialised preset, then profiles a few more and prints the step's phases and the operators with
 the most self time.  This is the tool that found the work removed in issue 8: the recomputed old
 logprobs, the prompt run once per completion instead of once per group, the per-tensor AdamW.
@@ -27,7 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 from atrctl.config.loading import load_recipe
 from atrctl.runtime.machine import set_cpu_threads
 from atrctl.training.checkpoint import TrainState
-from atrctl.training.loop import build_run, train_step
+from atrctl.training.setup import build_run
+from atrctl.training.step import train_step
 from atrctl.training.step_metrics import STEP_PHASES
 
 

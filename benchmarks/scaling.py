@@ -1,6 +1,6 @@
 """How atrctl's step time grows with group size and completion length; on a GPU, tokens/s and MFU.
 
-Not a test. Runs the real training step (`atrctl.training.loop.train_step`) on freshly initialised models
+Not a test. Runs the real training step (`atrctl.training.step.train_step`) on freshly initialised models
 whose EOS logit is pushed down by 30 (a hook on the output layer, for sampling and training
 alike), so every completion is exactly max_new_tokens long and "T" means T tokens.  For each
 preset and (G, T) cell: the median step time over a few steps after an unmeasured one, tokens/s,
@@ -37,7 +37,8 @@ from common import (  # benchmarks/ is on sys.path when run as a script
 from atrctl.config.loading import load_recipe
 from atrctl.runtime.machine import set_cpu_threads
 from atrctl.training.checkpoint import TrainState
-from atrctl.training.loop import build_run, recomputes_old_logprobs, train_step
+from atrctl.training.setup import build_run
+from atrctl.training.step import recomputes_old_logprobs, train_step
 
 EOS_PENALTY = 30.0
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}

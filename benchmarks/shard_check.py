@@ -29,7 +29,8 @@ from scaling import EOS_PENALTY, PEAK_BF16_TFLOPS, model_flops_per_step  # noqa:
 from atrctl.config.loading import load_recipe  # noqa: E402
 from atrctl.runtime import distributed  # noqa: E402
 from atrctl.training.checkpoint import TrainState  # noqa: E402
-from atrctl.training.loop import build_run, train_step  # noqa: E402
+from atrctl.training.setup import build_run
+from atrctl.training.step import train_step  # noqa: E402
 
 
 def suppress_eos(run) -> None:

@@ -2,7 +2,7 @@
 
 Not a test.  Each configuration runs in fresh processes (two under torch.distributed.run for "fsdp2"):
 the model is built with random weights of the shape (Qwen2.5-0.5B by default: 494M parameters, 151,936
-vocabulary; the weights do not change the memory), set up as `atrctl.training.loop.build_run` sets it up (the
+vocabulary; the weights do not change the memory), set up as `atrctl.training.setup.build_run` sets it up (the
 policy in float32 and AdamW over what trains; for fsdp2 the sampler's full copy, then `shard_model`; for
 LoRA `add_adapters`), then one optimiser step runs on a micro-batch of --rows rows × (--prompt +
 --completion) tokens through `atrctl.model.forward.completion_logprobs_and_entropy`.  Reported per process:

@@ -1,6 +1,6 @@
 """Throughput of one GRPO/ATR-GRPO step per preset, and what ATR's trust region costs against GRPO's.
 
-Not a test. Runs the real training step (`atrctl.training.loop.train_step`) on a freshly initialised
+Not a test. Runs the real training step (`atrctl.training.step.train_step`) on a freshly initialised
 preset saved as an ordinary model directory (no warm-up: an untrained model's completions end at
 random, `common`), with the default recipe's batch.  For each preset an
 atr run and a grpo run take their steps in turn, in the same process, so step k of one is paired
@@ -29,7 +29,8 @@ from common import EVERY_ROW, parse_with_smoke, save_model  # benchmarks/ is on 
 from atrctl.config.loading import load_recipe
 from atrctl.runtime.machine import set_cpu_threads
 from atrctl.training.checkpoint import TrainState
-from atrctl.training.loop import build_run, train_step
+from atrctl.training.setup import build_run
+from atrctl.training.step import train_step
 from atrctl.training.step_metrics import STEP_PHASES
 
 ARMS = {  # the two arms of a comparison, and the recipe overrides that make each; the ratio is second / first

@@ -107,7 +107,8 @@ def report_step(step: dict) -> None:
 
 def atrctl_worker(args: argparse.Namespace) -> None:
     from atrctl.training.checkpoint import TrainState
-    from atrctl.training.loop import build_run, train_step
+    from atrctl.training.setup import build_run
+    from atrctl.training.step import train_step
 
     recipe = recipe_for(args)
     run = build_run(recipe, Path(args.scratch) / "atrctl-run", Path(args.scratch))

@@ -19,8 +19,9 @@ import test_sharding  # noqa: E402
 
 from atrctl.runtime import distributed  # noqa: E402
 from atrctl.training.batching import parts  # noqa: E402
-from atrctl.training.loop import build_run, rollout_step, update_step  # noqa: E402
+from atrctl.training.setup import build_run
 from atrctl.training.sharding import full_tensor  # noqa: E402
+from atrctl.training.step import rollout_step, update_step  # noqa: E402
 
 
 def crafted_update(results: Path, shard: str, *overrides: str) -> dict | None:

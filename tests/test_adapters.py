@@ -260,7 +260,7 @@ def test_a_kl_penalty_uses_the_base_under_the_adapters(results, monkeypatch):
 
 @pytest.mark.slow
 def test_a_bf16_autocast_run_on_a_bf16_base_equals_the_run_that_keeps_the_base_in_float32(results, monkeypatch):
-    from atrctl.training import loop as train_module
+    from atrctl.training import setup as setup_module
 
     model, tokenizer = bf16_valued_tiny()
     model.save_pretrained(results / "bf16-base")
@@ -269,7 +269,7 @@ def test_a_bf16_autocast_run_on_a_bf16_base_equals_the_run_that_keeps_the_base_i
     notices = []
     train(recipe(*overrides), results / "bf16", results=results, on_notice=notices.append)
     assert any("bf16 where autocast casts it" in line for line in notices)  # the base was stored in bf16
-    monkeypatch.setattr(train_module, "store_frozen_base", lambda *args: False)
+    monkeypatch.setattr(setup_module, "store_frozen_base", lambda *args: False)
     train(recipe(*overrides), results / "float32", results=results)
     timing = ("time/", "tokens_per_s")
     for a, b in zip(records(results / "bf16"), records(results / "float32"), strict=True):

@@ -218,7 +218,7 @@ def test_budgeted_micro_batches_fit_the_budget_and_give_the_same_weights(results
     """A budget that binds (algo.micro_batch = 0): every micro-batch holds at most what the budget allows at
     its own trimmed width, the cut spans several, and the weights are the whole mini-batch's."""
     from atrctl.model import memory
-    from atrctl.training import loop as train_module
+    from atrctl.training import step as step_module
 
     whole, budgeted = results / "whole-budget", results / "budgeted"
     train(recipe(), whole, results=results)
@@ -232,11 +232,11 @@ def test_budgeted_micro_batches_fit_the_budget_and_give_the_same_weights(results
             cuts.append((len(piece), memory.sized_micro_batch(model, width)))
         return pieces
 
-    cut = train_module.cut_micro_batches
+    cut = step_module.cut_micro_batches
     tiny = build_model("tiny", build_char_tokenizer())
     two_rows = 2 * memory.activation_bytes_per_token(tiny, 10) * 10  # 1-3 rows at these 5 + <= 8 tokens
     monkeypatch.setattr(memory, "UPDATE_BUDGET", two_rows)
-    monkeypatch.setattr(train_module, "cut_micro_batches", recorded)
+    monkeypatch.setattr(step_module, "cut_micro_batches", recorded)
     train(recipe(), budgeted, results=results)
     assert cuts and all(size <= cap for size, cap in cuts)
     assert len(cuts) > 2 * 3 * 2  # 3 steps × 2 mini-batches, each in more than two micro-batches

@@ -96,7 +96,7 @@ def test_the_checks_read_real_imports():  # not a graph of nothing, which would 
     graph = module_graph()
     assert (
         "atrctl.core.divergence" in graph["atrctl.core.losses"]
-        and "atrctl.core.losses" in graph["atrctl.training.loop"]
+        and "atrctl.core.losses" in graph["atrctl.training.step"]
     )
     assert (
         "atrctl.files.atomic" in graph["atrctl.training.rundir"] and "atrctl.cli.options" in graph["atrctl.cli.train"]

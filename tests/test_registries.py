@@ -26,7 +26,7 @@ from atrctl.model.numerics import DTYPES
 from atrctl.reports.catalog import sections
 from atrctl.rollout.backend import ROLLOUT_BACKENDS
 from atrctl.tasks import TASKS
-from atrctl.training import loop as train_module
+from atrctl.training import step as step_module
 from atrctl.training.loop import train
 
 FAST = [
@@ -149,8 +149,8 @@ def test_a_registered_loss_and_estimator_train_end_to_end(results, monkeypatch):
 
 def count_recomputed_logprobs(monkeypatch) -> list:
     """A list that grows by one for every no-grad logprob pass the update runs over a mini-batch."""
-    calls, forward_pass = [], train_module.completion_logprobs
-    monkeypatch.setattr(train_module, "completion_logprobs", lambda *a, **k: calls.append(1) or forward_pass(*a, **k))
+    calls, forward_pass = [], step_module.completion_logprobs
+    monkeypatch.setattr(step_module, "completion_logprobs", lambda *a, **k: calls.append(1) or forward_pass(*a, **k))
     return calls
 
 

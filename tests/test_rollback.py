@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 from atrctl.cli import main
 from atrctl.config.loading import load_recipe
 from atrctl.rollout.backend import NonFiniteProbabilities
-from atrctl.training import loop as train_module
-from atrctl.training.loop import TrainingStopped, train
+from atrctl.training import step as step_module
+from atrctl.training.bad_steps import TrainingStopped
+from atrctl.training.loop import train
 from atrctl.training.rollback import Snapshot
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
@@ -67,7 +68,7 @@ def test_a_snapshot_restores_weights_and_optimiser_state_exactly():
 def fail_sampling(monkeypatch, calls):
     """Make the given (1-based) calls of rollout_step meet non-finite probabilities."""
     count = []
-    rollout_step = train_module.rollout_step
+    rollout_step = step_module.rollout_step
 
     def patched(*args, **kwargs):
         count.append(1)
@@ -75,7 +76,7 @@ def fail_sampling(monkeypatch, calls):
             raise NonFiniteProbabilities("probability tensor contains inf or nan")
         return rollout_step(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "rollout_step", patched)
+    monkeypatch.setattr(step_module, "rollout_step", patched)
 
 
 def test_an_update_the_next_sampling_rejects_is_undone(results, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 from atrctl.cli import main
 from atrctl.config.loading import load_recipe
 from atrctl.experiments.compare import Arm, Comparison, prepare
-from atrctl.training import loop as train_module
+from atrctl.training import loop
 from atrctl.training.loop import train
 from atrctl.training.rundir import aside, exclusive, restore_aside
 
@@ -94,7 +94,7 @@ def test_an_overwrite_whose_new_run_fails_puts_the_old_run_back(results, monkeyp
     def fails(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(train_module, "train_step", fails)
+    monkeypatch.setattr(loop, "train_step", fails)
     with pytest.raises(RuntimeError, match="out of memory"):
         train(recipe(), old, results=results, overwrite=True)
     assert tree(old) == before and not aside(old).exists()

@@ -25,7 +25,9 @@ from atrctl.errors import UserError
 from atrctl.model.loading import build_char_tokenizer
 from atrctl.model.numerics import Numerics
 from atrctl.rollout.hf import HFSampler
-from atrctl.training import loop as train_module
+from atrctl.tasks import get_task
+from atrctl.training import step as step_module
+from atrctl.training.bad_steps import TrainingStopped
 from atrctl.training.base_cache import ensure_base
 from atrctl.training.checkpoint import (
     TrainState,
@@ -36,8 +38,9 @@ from atrctl.training.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from atrctl.training.loop import TrainingStopped, recomputes_old_logprobs, train
+from atrctl.training.loop import train
 from atrctl.training.schedule import lr_at, prompts_for_step
+from atrctl.training.step import recomputes_old_logprobs
 from atrctl.training.step_metrics import STEP_PHASES
 
 if sys.version_info >= (3, 11):
@@ -243,8 +246,8 @@ def test_second_pass_moves_the_ratio(results, monkeypatch, old_logprobs):
             passes.append(out.metrics)
         return out
 
-    policy_loss = train_module.policy_loss
-    monkeypatch.setattr(train_module, "policy_loss", spy)
+    policy_loss = step_module.policy_loss
+    monkeypatch.setattr(step_module, "policy_loss", spy)
     _, directory = start(
         results,
         f"two-passes-{old_logprobs}",
@@ -404,7 +407,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 def poison(monkeypatch, bad_steps):
     """Make the loss NaN on the given (1-based) steps of an on-policy run."""
     calls = []
-    policy_loss = train_module.policy_loss
+    policy_loss = step_module.policy_loss
 
     def patched(*args, **kwargs):
         out = policy_loss(*args, **kwargs)
@@ -413,7 +416,7 @@ def poison(monkeypatch, bad_steps):
         calls.append(1)
         return LossOutput(out.loss * math.nan, out.metrics) if len(calls) in bad_steps else out
 
-    monkeypatch.setattr(train_module, "policy_loss", patched)
+    monkeypatch.setattr(step_module, "policy_loss", patched)
 
 
 def test_a_nan_step_is_skipped_and_counted(results, monkeypatch):
@@ -563,7 +566,7 @@ def test_each_held_out_check_writes_the_completions_it_scored(results):
     _, directory = start(results, "shown", "run.steps=2", "eval.every=1", "eval.problems=8")
     assert sorted(p.name for p in (directory / "samples").iterdir()) == ["step-0.jsonl", "step-1.jsonl", "step-2.jsonl"]
     rows = [json.loads(line) for line in (directory / "samples" / "step-2.jsonl").read_text().splitlines()]
-    task = train_module.get_task("arith", digits=1)
+    task = get_task("arith", digits=1)
     problems = {p.id: p for p in task.problems("test", None, 0)}
     assert [r["sample"] for r in rows[:2]] == ["greedy", 0] and len(rows) == 2 * 8
     assert all(r["reward"] == task.score(problems[r["problem"]], r["completion"]).reward for r in rows)

@@ -7,8 +7,9 @@ import torch
 from atrctl.config.loading import load_recipe
 from atrctl.core.losses import POLICY_LOSSES, define_loss, loss_parameters, policy_loss
 from atrctl.model.forward import completion_logprobs
-from atrctl.training import loop as train_module
-from atrctl.training.loop import build_run, recomputes_old_logprobs, rollout_step, skips_zero_advantage, update_step
+from atrctl.training import step as step_module
+from atrctl.training.setup import build_run
+from atrctl.training.step import recomputes_old_logprobs, rollout_step, skips_zero_advantage, update_step
 
 FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
         "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
@@ -117,7 +118,7 @@ def test_a_loss_that_needs_every_row_says_so(monkeypatch):
     needy = define_loss(lambda tokens: (tokens.ratio - 1, {}), needs_every_row=True)  # a term without A
     monkeypatch.setitem(POLICY_LOSSES, "needy", needy)
     assert not skips_zero_advantage(recipe("algo.loss=needy").algo)
-    assert train_module.skips_zero_advantage(recipe("algo.loss=grpo").algo)
+    assert step_module.skips_zero_advantage(recipe("algo.loss=grpo").algo)
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
@@ -174,25 +175,25 @@ def test_recomputed_old_logprobs_skip_the_first_minibatch_whose_own_pass_gives_t
     no-grad pass gives, bit for bit, in float32 and under bf16 autocast."""
     overrides = (f"model.autocast={autocast}", "algo.old_logprobs=recompute", f"algo.micro_batch={micro_batch}",
                  f"algo.minibatches={minibatches}")  # fmt: skip
-    no_grad_rows, logprobs = [], train_module.completion_logprobs  # what the update's no-grad passes run on
+    no_grad_rows, logprobs = [], step_module.completion_logprobs  # what the update's no-grad passes run on
 
     def counted(model, rollout, temperature, **kwargs):
         no_grad_rows.append(rollout.completion_ids.shape[0])
         return logprobs(model, rollout, temperature, **kwargs)
 
-    monkeypatch.setattr(train_module, "completion_logprobs", counted)
+    monkeypatch.setattr(step_module, "completion_logprobs", counted)
     new = Update(results, EVERY_ROW_ADVANTAGE, *overrides)
     new_rows, no_grad_rows[:] = list(no_grad_rows), []
-    step = train_module._optimiser_step
+    step = step_module._optimiser_step
 
     def with_a_full_no_grad_pass(run, rollout, advantages, part, pieces, old_logp, ref_logp, own):
         """The update as it was: the first mini-batch's old logprobs from a no-grad pass, before its step."""
         if own:
             with torch.no_grad(), run.numerics.autocast():
-                old_logp += train_module._logprobs(run.model, rollout, [pieces], run.recipe.rollout.temperature)
+                old_logp += step_module._logprobs(run.model, rollout, [pieces], run.recipe.rollout.temperature)
         return step(run, rollout, advantages, part, pieces, old_logp, ref_logp, False)
 
-    monkeypatch.setattr(train_module, "_optimiser_step", with_a_full_no_grad_pass)
+    monkeypatch.setattr(step_module, "_optimiser_step", with_a_full_no_grad_pass)
     full = Update(results, EVERY_ROW_ADVANTAGE, *overrides, rollout=new.rollout)
     rows = 16 // minibatches
     each_minibatch = [rows] if micro_batch == 0 else [3] * (rows // 3) + [rows % 3]  # its micro-batches' rows
@@ -206,7 +207,7 @@ def test_a_first_pass_dropped_at_a_non_finite_loss_still_gives_every_row_its_old
     """The first mini-batch's first pass stops at its first micro-batch's NaN loss (the step is dropped); the
     rows it did not reach get their old logprobs all the same, so its second pass (μ = 2) has ratios near 1
     (|log w| < 0.1 after three AdamW steps of lr 1e-5; measured 0.04), not exp(logp - 0) (|log w| up to 5.4)."""
-    ratios, calls, loss = [], [], train_module.policy_loss
+    ratios, calls, loss = [], [], step_module.policy_loss
 
     def first_is_nan(logp, old_logp, *args, **kwargs):
         out = loss(logp, old_logp, *args, **kwargs)
@@ -217,7 +218,7 @@ def test_a_first_pass_dropped_at_a_non_finite_loss_still_gives_every_row_its_old
 
     run = build_run(recipe("algo.old_logprobs=recompute", "algo.micro_batch=3"), results / "unused", results)
     rollout = rollout_step(run, 0)[0]
-    monkeypatch.setattr(train_module, "policy_loss", first_is_nan)  # after build_run's probe of the loss
+    monkeypatch.setattr(step_module, "policy_loss", first_is_nan)  # after build_run's probe of the loss
     _, finite = update_step(run, rollout, EVERY_ROW_ADVANTAGE, 0)
     assert not finite and len(calls) == 1 + 3 + 3 + 3  # mini-batch 1 stopped after one micro-batch of three
     assert max(ratios) < 0.1, ratios  # every pass read the old logprobs of its rows

@@ -119,8 +119,8 @@ def train(
         config = load_recipe_with_flags(recipe, flags, [*report_to_sets(report_to), *(set_ or [])], *loss_flags)
         run_dir = RunDir(results / (check_name(name) if name is not None else default_run_name(config)))
 
+    from atrctl.training.bad_steps import TrainingStopped
     from atrctl.training.checks import validate_algo
-    from atrctl.training.loop import TrainingStopped
     from atrctl.training.loop import train as run_training
 
     check_nproc(nproc)

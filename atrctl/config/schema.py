@@ -4,14 +4,8 @@ names what it changes.  `atrctl.config.loading` reads, checks and writes them.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - Python 3.10
-    pass
 
 
 @dataclass

@@ -12,14 +12,10 @@ Layout every rollout backend keeps (the training forward pass, `atrctl.model.for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from atrctl.errors import UserError
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass

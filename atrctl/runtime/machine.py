@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from atrctl.errors import UserError
-
-if TYPE_CHECKING:
-    pass
 
 
 def set_cpu_threads(threads: int | None = None) -> int:
