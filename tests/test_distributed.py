@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from atrctl.config.loading import load_recipe
-from atrctl.core.losses import aggregation_normaliser
+from atrctl.core.aggregation import aggregation_normaliser
 from atrctl.errors import UserError
 from atrctl.model.batch import Rollout, equal_runs
 from atrctl.model.loading import build_char_tokenizer, build_model

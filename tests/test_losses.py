@@ -5,18 +5,12 @@ import math
 import pytest
 import torch
 
+from atrctl.core.aggregation import AGGREGATIONS, aggregate
 from atrctl.core.bands import kl_band_bounds, tv_band_bounds
 from atrctl.core.divergence import kl3_bounds
-from atrctl.core.losses import (
-    AGGREGATIONS,
-    LOG_RATIO_LIMIT,
-    POLICY_LOSSES,
-    _prepare,
-    aggregate,
-    finish_metrics,
-    loss_objective,
-    policy_loss,
-)
+from atrctl.core.loss_metrics import finish_metrics
+from atrctl.core.losses import POLICY_LOSSES, loss_objective, policy_loss
+from atrctl.core.tokens import LOG_RATIO_LIMIT, prepare_tokens
 
 BINS = ("p00-10", "p10-50", "p50-90", "p90-100")
 MECHANISM_NAMES = {f"clip/{side}/{b}" for side in ("low", "high") for b in BINS} | {
@@ -383,7 +377,7 @@ def test_a_token_the_policy_now_takes_with_probability_1_sits_exactly_on_the_tv_
     between devices (a GPU clipped one such token and the CPU did not)."""
     old_logp = -torch.logspace(-6, math.log10(0.2), 2000)
     _, high = tv_band_bounds(old_logp, 0.2)
-    ratio = _prepare(torch.zeros(1, 2000), old_logp[None], torch.ones(1), torch.ones(1, 2000)).ratio
+    ratio = prepare_tokens(torch.zeros(1, 2000), old_logp[None], torch.ones(1), torch.ones(1, 2000)).ratio
     assert torch.equal(ratio[0], high)
 
 

@@ -11,15 +11,10 @@ from atrctl.config import loading
 from atrctl.config.loading import load_recipe
 from atrctl.config.schema import RolloutConfig, RunConfig
 from atrctl.core.advantages import ADVANTAGE_ESTIMATORS
+from atrctl.core.aggregation import AGGREGATIONS
 from atrctl.core.divergence import TRUST_REGIONS, region_defaults
-from atrctl.core.losses import (
-    AGGREGATIONS,
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
-    clip_fractions,
-    clipped_surrogate,
-    define_loss,
-)
+from atrctl.core.loss_metrics import clip_fractions
+from atrctl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, clipped_surrogate, define_loss
 from atrctl.errors import UserError
 from atrctl.model.loading import ARCHS
 from atrctl.model.numerics import DTYPES

@@ -12,10 +12,9 @@ band from `atrctl.core.bands`.  GSPO and CISPO are the comparison baselines.
     from atrctl.core.losses import policy_loss
     loss, metrics = policy_loss(logp, old_logp, advantages, mask, algo="atr", max_kl3=0.1)
 
-Pure functions of tensors; `metrics` is a dict of plain floats with the names of
-docs/design.md §3, computed without gradient over the masked tokens only.  A metric's name
-declares how the values of several batches combine (`metric_reduction`): `.../min` and `.../max`
-are extremes, everything else is a mean.
+Pure functions of tensors.  Each loss is registered with its typed contract (`register_policy_loss`);
+the inputs are prepared by `atrctl.core.tokens`, reduced by `atrctl.core.aggregation`, and reported
+by `atrctl.core.loss_metrics` (plain floats with the names of docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -30,15 +29,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from atrctl.core.aggregation import AGGREGATIONS, aggregate
 from atrctl.core.bands import kl_band_bounds, tv_band_bounds
 from atrctl.core.divergence import TRUST_REGIONS, kl3_of_log_ratio, region_defaults, trust_region
-
-# |logp - old_logp| is clamped to this before exp, so w stays within [e^-20, e^20] ~ [2e-9, 5e8]
-# and cannot overflow float32.  A token beyond it is far outside every trust region; it keeps
-# its (clipped) loss value but gets no gradient through w.
-LOG_RATIO_LIMIT = 20.0
-
-Bound = float | Tensor
+from atrctl.core.loss_metrics import clip_fractions, diagnostics, old_probability_bin
+from atrctl.core.tokens import Bound, Tokens, aligned, masked_log_ratio, prepare_tokens
 
 
 class LossOutput(NamedTuple):
@@ -46,22 +41,6 @@ class LossOutput(NamedTuple):
 
     loss: Tensor
     metrics: dict[str, float]
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """The per-token inputs a policy loss sees: float32 [B, T], already neutral at padding.
-
-    Padded positions hold logp = old_logp = 0 (so w = 1) and A = 0, whatever the caller
-    put there, so neither their values nor their gradients can leak into the loss.
-    """
-
-    logp: Tensor
-    old_logp: Tensor
-    log_ratio: Tensor  # clamp(logp - old_logp, ±LOG_RATIO_LIMIT)
-    ratio: Tensor  # exp(log_ratio)
-    advantages: Tensor
-    mask: Tensor  # bool
 
 
 # ---------------------------------------------------------------- the surrogate
@@ -81,62 +60,6 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, low: Bound, high: Bound
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
     return loss
-
-
-OLD_PROBABILITY_EDGES = (0.1, 0.5, 0.9)
-"""Where the bins of the mechanism metrics split the sampling policy's probability of a token, p_old."""
-OLD_PROBABILITY_BINS = ("p00-10", "p10-50", "p50-90", "p90-100")
-"""Metric-name suffixes of those bins: p_old < 0.1, [0.1, 0.5), [0.5, 0.9), >= 0.9."""
-
-
-def old_probability_bin(old_logp: Tensor) -> Tensor:
-    """Index into OLD_PROBABILITY_BINS of each token's p_old = exp(old_logp): [B, T] int64."""
-    edges = torch.tensor(OLD_PROBABILITY_EDGES, dtype=old_logp.dtype, device=old_logp.device)
-    return torch.bucketize(old_logp.exp(), edges, right=True)
-
-
-def clip_fractions(
-    ratio: Tensor,
-    advantages: Tensor,
-    low: Bound,
-    high: Bound,
-    mask: Tensor,
-    dual_clip: float | None = None,
-    bins: Tensor | None = None,
-) -> dict[str, Tensor]:
-    """Fractions of masked entries whose gradient the clip removes (high: w > u, A > 0; low: w < l, A < 0)
-    or that lie outside [l, u] at all (region), and with dual-clip the A < 0 entries capped (w > c).
-
-    With `bins` (each entry's `old_probability_bin`) clip/low and clip/high are also split by p_old
-    (`clip/low/<bin>`, `clip/high/<bin>`): the share of all masked entries that the clip removed and that lie
-    in the bin, so each split sums to its total.  Where the mass is clipped is what distinguishes the
-    regions: KL3's lower bound is tighter than its upper one, and a band's width follows p_old itself."""
-    count = mask.sum().clamp(min=1)
-    above, below = ratio > high, ratio < low
-    positive, negative = advantages > 0, advantages < 0
-    removed = {"low": below & negative & mask, "high": above & positive & mask}
-    fractions = {
-        "clip/low": removed["low"].sum() / count,
-        "clip/high": removed["high"].sum() / count,
-        "clip/region": ((above | below) & mask).sum() / count,
-    }
-    if dual_clip is not None:
-        fractions["clip/dual"] = ((ratio > dual_clip) & negative & mask).sum() / count
-    if bins is not None:
-        for side, where in removed.items():
-            per_bin = cell_sums(bins, where, len(OLD_PROBABILITY_BINS), where.float())[0] / count
-            fractions.update({f"clip/{side}/{name}": per_bin[i] for i, name in enumerate(OLD_PROBABILITY_BINS)})
-    return fractions
-
-
-def cell_sums(cells: Tensor, where: Tensor, n_cells: int, *values: Tensor) -> list[Tensor]:
-    """Each of `values` summed per cell index in [0, n_cells) over the entries `where` holds: [n_cells] each.
-    One matrix product of the values against a one-hot of the cells, instead of a mask and a sum per cell (the
-    diagnostics' 16 cells were about a third of the loss's time on a tiny micro-batch).  No host sync (unlike
-    indexing by a boolean mask) and no atomics (unlike a scatter on a GPU), so the sums are reproducible."""
-    one_hot = (cells.flatten()[:, None] == torch.arange(n_cells, device=cells.device)) & where.flatten()[:, None]
-    stacked = torch.stack([value.flatten().float() for value in values])  # [len(values), entries]
-    return list(stacked @ one_hot.float())
 
 
 def _ratio_clip(tokens: Tokens, low: Bound, high: Bound, dual_clip: float | None):
@@ -317,13 +240,6 @@ def loss_objective(name: str) -> str:
     return POLICY_LOSSES[name].objective
 
 
-def metric_reduction(name: str) -> str:
-    """How values of the metric `name` from several micro-batches, ranks or optimiser steps combine: its
-    name declares it, so a new loss's extreme needs no edit elsewhere.  "min" for .../min, "max" for
-    .../max, else "mean"."""
-    return "min" if name.endswith("/min") else "max" if name.endswith("/max") else "mean"
-
-
 def _strict_float(value: float, name: str) -> float:
     """float(value) for a number; a string or a boolean is refused (`float()` reads "0.05", "０.２" and "1_0")."""
     if isinstance(value, str | bool):
@@ -345,69 +261,6 @@ def _check_dual_clip(dual_clip: float | None) -> float | None:
     if not (math.isfinite(dual_clip) and dual_clip > 1):
         raise ValueError(f"dual_clip must be a finite number > 1 (or None for off), got {dual_clip}")
     return dual_clip
-
-
-# ---------------------------------------------------------------- aggregation
-
-
-def _token_mean(values: Tensor, mask: Tensor, max_new_tokens: int | None) -> Tensor:
-    """sum / number of tokens (DAPO): every token weighs the same."""
-    return values.sum() / mask.sum().clamp(min=1)
-
-
-def _seq_mean_token_mean(values: Tensor, mask: Tensor, max_new_tokens: int | None) -> Tensor:
-    """Mean over sequences of each sequence's token mean (GRPO)."""
-    lengths = mask.sum(dim=1)
-    return (values.sum(dim=1) / lengths.clamp(min=1)).sum() / _sequences(mask).clamp(min=1)
-
-
-def _seq_mean_token_sum_norm(values: Tensor, mask: Tensor, max_new_tokens: int | None) -> Tensor:
-    """sum / (sequences × max_new_tokens) (Dr. GRPO): a constant normaliser, so no length bias."""
-    if max_new_tokens is None or int(max_new_tokens) < 1:
-        raise ValueError(f"agg 'seq-mean-token-sum-norm' needs max_new_tokens >= 1, got {max_new_tokens}")
-    return values.sum() / (_sequences(mask).clamp(min=1) * int(max_new_tokens))
-
-
-def _tokens(mask: Tensor) -> Tensor:
-    return mask.sum()
-
-
-def _sequences(mask: Tensor) -> Tensor:
-    """Rows with at least one token: an empty row is not a sequence."""
-    return (mask.sum(dim=1) > 0).sum()
-
-
-class Aggregation(NamedTuple):
-    """A reduction of per-token values [B, T] (masked, padding already 0) to the batch loss, and what it
-    divides by up to constants (its tokens or its sequences), so micro-batches can be weighted exactly."""
-
-    reduce: Callable[[Tensor, Tensor, int | None], Tensor]
-    normaliser: Callable[[Tensor], Tensor]
-
-
-AGGREGATIONS: dict[str, Aggregation] = {
-    "token-mean": Aggregation(_token_mean, _tokens),
-    "seq-mean-token-mean": Aggregation(_seq_mean_token_mean, _sequences),
-    "seq-mean-token-sum-norm": Aggregation(_seq_mean_token_sum_norm, _sequences),
-}
-
-
-def aggregate(values: Tensor, mask: Tensor, agg: str = "token-mean", max_new_tokens: int | None = None) -> Tensor:
-    """Reduce per-token values [B, T] to a scalar over the masked tokens with the aggregation `agg`.
-
-    Rows without tokens are not sequences: they change nothing, and an empty batch gives 0
-    (with a valid gradient).
-    """
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"unknown agg {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
-    mask = mask.bool()
-    return AGGREGATIONS[agg].reduce(torch.where(mask, values, 0.0), mask, max_new_tokens)
-
-
-def aggregation_normaliser(mask: Tensor, agg: str) -> Tensor:
-    """What `aggregate` divides a batch's loss by, up to constants.  A micro-batch's loss times its own
-    normaliser over the whole mini-batch's is its exact share of the mini-batch loss."""
-    return AGGREGATIONS[agg].normaliser(mask.bool())
 
 
 # ------------------------------------------------------------ KL to reference
@@ -472,19 +325,19 @@ def policy_loss(
     if entropy_coef != 0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs entropy")
 
-    tokens = _prepare(logp, old_logp, advantages, mask)
+    tokens = prepare_tokens(logp, old_logp, advantages, mask)
     token_loss, clip_metrics = POLICY_LOSSES[algo](tokens, **params)
     extra: dict[str, Tensor] = {}
     if ref_logp is not None:
-        kl = KL_ESTIMATORS[kl_estimator](_masked_log_ratio(_aligned(ref_logp, mask, "ref_logp"), tokens))
+        kl = KL_ESTIMATORS[kl_estimator](masked_log_ratio(aligned(ref_logp, mask, "ref_logp"), tokens))
         token_loss = token_loss + beta * kl
         extra["kl/ref"] = kl
     if entropy is not None:
-        entropy = torch.where(tokens.mask, _aligned(entropy, mask, "entropy").float(), 0.0)
+        entropy = torch.where(tokens.mask, aligned(entropy, mask, "entropy").float(), 0.0)
         token_loss = token_loss - entropy_coef * entropy
         extra["entropy"] = entropy
     loss = aggregate(token_loss, tokens.mask, agg, max_new_tokens)
-    return LossOutput(loss, _metrics(tokens, loss, clip_metrics, extra))
+    return LossOutput(loss, diagnostics(tokens, loss, clip_metrics, extra))
 
 
 def token_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, algo: str = "atr",
@@ -495,10 +348,10 @@ def token_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tenso
     if algo not in POLICY_LOSSES:
         raise ValueError(f"unknown algo {algo!r}; choose one of {', '.join(POLICY_LOSSES)}")
     _check_params(algo, params)
-    tokens = _prepare(logp, old_logp, advantages, mask)
+    tokens = prepare_tokens(logp, old_logp, advantages, mask)
     token_loss, clip_metrics = POLICY_LOSSES[algo](tokens, **params)
     token_loss = torch.where(tokens.mask, token_loss, 0.0)
-    return LossOutput(token_loss, _metrics(tokens, aggregate(token_loss, tokens.mask), clip_metrics, {}))
+    return LossOutput(token_loss, diagnostics(tokens, aggregate(token_loss, tokens.mask), clip_metrics, {}))
 
 
 def check_loss(
@@ -523,88 +376,3 @@ def _check_params(algo: str, params: dict) -> None:
     for name in params:
         if name not in names:
             raise ValueError(f"algo {algo!r} takes no parameter {name!r}; it takes {', '.join(names)}")
-
-
-def _aligned(tensor: Tensor, mask: Tensor, name: str) -> Tensor:
-    if tensor.shape != mask.shape:
-        raise ValueError(f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(tensor.shape)}")
-    return tensor
-
-
-def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> Tokens:
-    if mask.ndim != 2:
-        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
-    mask = mask.bool()
-    logp = torch.where(mask, _aligned(logp, mask, "logp").float(), 0.0)
-    old_logp = torch.where(mask, _aligned(old_logp, mask, "old_logp").detach().float(), 0.0)
-    if advantages.shape == mask.shape[:1]:
-        advantages = advantages[:, None]
-    elif advantages.shape != mask.shape:
-        raise ValueError(
-            f"advantages must be [B] or [B, T] for mask {tuple(mask.shape)}, got {tuple(advantages.shape)}"
-        )
-    advantages = torch.where(mask, advantages.detach().float(), 0.0)
-    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    return Tokens(logp, old_logp, log_ratio, log_ratio.exp(), advantages, mask)
-
-
-def _masked_log_ratio(ref_logp: Tensor, tokens: Tokens) -> Tensor:
-    """ln(pi_ref / pi_theta) per token, clamped like the policy ratio, 0 at padding."""
-    ref_logp = torch.where(tokens.mask, ref_logp.detach().float(), 0.0)
-    return (ref_logp - tokens.logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-
-
-@torch.no_grad()
-def _metrics(tokens: Tokens, loss: Tensor, clip_metrics: dict[str, Tensor], extra: dict[str, Tensor]):
-    """All diagnostics as floats, fetched from the device in one transfer.
-
-    Padding holds log_ratio = 0 (kl3 = 0, no KL, no entropy), so sums over all entries
-    are sums over masked tokens.  An empty mask reports w = 1 (no movement) and zeros.
-    """
-    mask, log_ratio, ratio = tokens.mask, tokens.log_ratio, tokens.ratio
-    count = mask.sum().clamp(min=1)
-    kl3 = kl3_of_log_ratio(log_ratio)
-    any_token = mask.any()
-    values = {
-        "loss": loss.detach(),
-        **clip_metrics,
-        "kl3/mean": kl3.sum() / count,
-        "kl3/max": kl3.amax(),
-        "ratio/min": torch.where(any_token, torch.where(mask, ratio, math.inf).amin(), 1.0),
-        "ratio/max": torch.where(any_token, torch.where(mask, ratio, 0.0).amax(), 1.0),
-        **{name: value.sum() / count for name, value in extra.items()},
-    }
-    values.update(_movement_by_bin(tokens, count))
-    floats = torch.stack([value.float() for value in values.values()]).tolist()
-    return dict(zip(values, floats, strict=True))
-
-
-def _movement_by_bin(tokens: Tokens, count: Tensor) -> dict[str, Tensor]:
-    """Per (sign of A, p_old bin) cell: `tokens/<sign>/<bin>`, the cell's share of the masked tokens, and
-    `dlogp/<sign>/<bin>`, the sum of ln w = logp - old_logp over the cell divided by all masked tokens.
-    Both are token-weighted means, so they combine over micro-batches like every other metric;
-    `finish_metrics` then divides the second by the first: the cell's mean change of log-probability."""
-    n_bins, cells = len(OLD_PROBABILITY_BINS), {}
-    positive, negative = tokens.advantages > 0, tokens.advantages < 0
-    cell = negative.long() * n_bins + old_probability_bin(tokens.old_logp)  # A > 0: its bin; A < 0: n_bins + bin
-    where = tokens.mask & (positive | negative)  # A = 0 (or NaN) is in no cell
-    shares, moves = (total / count for total in cell_sums(cell, where, 2 * n_bins, where.float(), tokens.log_ratio))
-    for offset, sign in ((0, "pos"), (n_bins, "neg")):
-        for index, name in enumerate(OLD_PROBABILITY_BINS):
-            cells[f"tokens/{sign}/{name}"] = shares[offset + index]
-            cells[f"dlogp/{sign}/{name}"] = moves[offset + index]
-    return cells
-
-
-def finish_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """A step's combined metrics with each `dlogp/<cell>` turned into the cell's mean change of log-probability
-    (its share-weighted sum over its `tokens/<cell>` share); a cell with no tokens reports no dlogp."""
-    finished = {}
-    for key, value in metrics.items():
-        if key.startswith("dlogp/"):
-            share = metrics.get("tokens/" + key.removeprefix("dlogp/"), 0.0)
-            if share > 0:
-                finished[key] = value / share
-        else:
-            finished[key] = value
-    return finished

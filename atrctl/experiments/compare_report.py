@@ -124,7 +124,7 @@ def mechanism_summary(directories: Sequence[Path]) -> dict[str, list[float]]:
     """Per MECHANISM_PANELS panel, one value per p_old bin over every step of the runs (all seeds): a clip share
     as a fraction of the tokens of that sign and bin (ratio of the summed shares), a dlogp as the mean over
     the steps that measured it."""
-    from atrctl.core.losses import OLD_PROBABILITY_BINS
+    from atrctl.core.loss_metrics import OLD_PROBABILITY_BINS
 
     records = [record for d in directories for record in RunDir(d).read_metrics()]
     panels = {}
@@ -146,7 +146,7 @@ def mechanism_figure(runs: dict[str, list[Path]]):
     gradient the clip removed and the mean change of log-probability, per p_old bin (grouped bars)."""
     from matplotlib.figure import Figure
 
-    from atrctl.core.losses import OLD_PROBABILITY_BINS
+    from atrctl.core.loss_metrics import OLD_PROBABILITY_BINS
 
     fig = Figure(figsize=(4.4 * len(MECHANISM_PANELS), 4.4), layout="constrained")
     axes = fig.subplots(1, len(MECHANISM_PANELS))

@@ -22,7 +22,8 @@ import functools
 import torch
 
 from atrctl.core.divergence import trust_region
-from atrctl.core.losses import check_loss, finish_metrics, metric_reduction, policy_loss
+from atrctl.core.loss_metrics import finish_metrics, metric_reduction
+from atrctl.core.losses import check_loss, policy_loss
 from atrctl.integrations import require
 
 WHAT, INSTALL = "atrctl.integrations.trl", 'pip install torch==2.13.0 -e ".[trl]"'
@@ -96,7 +97,7 @@ def _trainer_class():
 
         def _log_atrctl(self, mode: str, metrics: dict[str, float]) -> None:
             """This micro-batch's metrics, reduced over processes by the rule each name declares and then finished
-            (`losses.finish_metrics`), into TRL's metric lists (TRL averages a list when it logs: a min or max is
+            (`loss_metrics.finish_metrics`), into TRL's metric lists (TRL averages a list when it logs: a min or max is
             then the mean of the extremes).  The loss emits the same keys on every process; only finishing drops
             the empty cells, so it comes after the gather."""
             names = sorted(metrics)

@@ -16,7 +16,8 @@ verl already has (gspo, cispo) keep verl's implementation; an arm of them (`gspo
 
 from __future__ import annotations
 
-from atrctl.core.losses import POLICY_LOSSES, check_loss, finish_metrics, loss_parameters, token_losses
+from atrctl.core.loss_metrics import finish_metrics
+from atrctl.core.losses import POLICY_LOSSES, check_loss, loss_parameters, token_losses
 from atrctl.errors import UserError
 from atrctl.integrations import require
 

@@ -41,8 +41,9 @@ def _recipe_summary(path: Path) -> str:
 def sections(recipes: Path = RECIPES) -> list[Section]:
     """Every registry, one section each, in the order a recipe names them."""
     from atrctl.core.advantages import ADVANTAGE_ESTIMATORS
+    from atrctl.core.aggregation import AGGREGATIONS
     from atrctl.core.divergence import MEASURES, TRUST_REGIONS, region_defaults, trust_region
-    from atrctl.core.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, loss_objective, loss_parameters
+    from atrctl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, loss_objective, loss_parameters
     from atrctl.rollout.backend import ROLLOUT_BACKENDS
     from atrctl.tasks import TASKS
 

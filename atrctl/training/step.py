@@ -11,7 +11,9 @@ import torch
 
 from atrctl.config.schema import AlgoConfig
 from atrctl.core.advantages import group_advantages
-from atrctl.core.losses import POLICY_LOSSES, aggregation_normaliser, finish_metrics, policy_loss
+from atrctl.core.aggregation import aggregation_normaliser
+from atrctl.core.loss_metrics import finish_metrics
+from atrctl.core.losses import POLICY_LOSSES, policy_loss
 from atrctl.model.adapters import reference_pass
 from atrctl.model.batch import Rollout
 from atrctl.model.forward import completion_logprobs, completion_logprobs_and_entropy

@@ -1,5 +1,5 @@
 """A step's metrics: where its time went (`Stopwatch`), and its optimiser steps' metrics reduced over
-micro-batches, ranks and steps by the reduction each metric's name declares (`losses.metric_reduction`)."""
+micro-batches, ranks and steps by the reduction each metric's name declares (`loss_metrics.metric_reduction`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-from atrctl.core.losses import metric_reduction
+from atrctl.core.loss_metrics import metric_reduction
 from atrctl.runtime import distributed
 
 STEP_PHASES = ("rollout", "reward", "logprobs", "update")
