@@ -229,7 +229,7 @@ def test_training_children_end_when_their_compare_is_killed():
     import time
 
     parent_code = (
-        "import functools, os, subprocess, sys, time; from atrctl.experiments.compare import _end_with_parent; "
+        "import functools, os, subprocess, sys, time; from atrctl.experiments.jobs import _end_with_parent; "
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
         "preexec_fn=functools.partial(_end_with_parent, os.getpid())); "
         "print(child.pid, flush=True); time.sleep(120)"
