@@ -107,7 +107,7 @@ def store_frozen_base(model: torch.nn.Module, dtype: torch.dtype | None) -> bool
     every product anyway, so training computes the same numbers in half the base's memory.  A base with
     float32 precision (a warmed-up preset, say) keeps it.  Returns whether the base was stored in `dtype`.
     A layer whose weight is the input embedding's (a tied head) stays float32: the lookup is not cast.
-    Every pass of such a model must then run under that autocast (train.py's all do): outside it, a float32
+    Every pass of such a model must then run under that autocast (the training step's all do): outside it, a float32
     input meets a bf16 weight and the product fails on the dtypes."""
     if dtype is None:
         return False
