@@ -8,9 +8,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import fast, recipe_maker
 from safetensors.torch import load_file
 
-from atrctl.config.loading import load_recipe, recipe_from_dict
+from atrctl.config.loading import recipe_from_dict
 from atrctl.errors import UserError
 from atrctl.model.adapters import (
     LORA_DEFAULTS,
@@ -25,26 +26,18 @@ from atrctl.model.adapters import (
 from atrctl.model.loading import load_model
 from atrctl.training.loop import train
 
-FAST = [
-    "task.args.digits=1",
-    "model.device=cpu",
+FAST = fast(
     "warmup.max_steps=15",  # a weak base: its rewards have room to rise
-    "warmup.target_accuracy=1.0",
-    "warmup.batch_size=32",
     "warmup.eval_every=15",
-    "warmup.eval_problems=10",
     "rollout.prompts=8",
     "rollout.group_size=8",
-    "eval.problems=10",
-    "eval.samples=2",
     "eval.every=100",
     "optim.lr=1e-3",
     "model.lora={r = 8}",
-]
+)
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import COMPARE, compare_args, offline_runs
 
 from atrctl.cli import main
 from atrctl.config.loading import load_recipe
@@ -59,44 +60,6 @@ def test_two_level_bootstrap_covers_seed_noise():
     assert np.array_equal(boot, two_level_bootstrap([steady, shaky], resamples=500, seed=1))
 
 
-FAST = [
-    "task.args.digits=2",
-    "model.device=cpu",
-    "warmup.max_steps=40",
-    "warmup.target_accuracy=1.0",
-    "warmup.eval_every=40",
-    "warmup.eval_problems=10",
-    "warmup.batch_size=32",
-    "rollout.prompts=4",
-    "rollout.group_size=4",
-    "algo.minibatches=2",
-    "eval.problems=8",
-    "eval.samples=2",
-    "eval.every=2",
-]
-
-
-def compare_args(results, *extra):
-    sets = [flag for item in FAST for flag in ("--set", item)]
-    return [
-        "compare",
-        "grpo",
-        "atr",
-        "--seeds",
-        "1",
-        "--steps",
-        "2",
-        "--n",
-        "4",
-        "--problems",
-        "8",
-        "--results",
-        str(results),
-        *sets,
-        *extra,
-    ]
-
-
 @pytest.mark.slow
 def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", "0")  # every update, as plain lines: stdout is not a terminal
@@ -122,8 +85,6 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkey
     assert "problem noise only" in report  # one seed: the report says what its intervals cover
     assert "atr − grpo" in out
     if wandb:  # each run's W&B run is grouped under the comparison and gets its evaluation
-        from test_reporting import offline_runs
-
         for arm in ("grpo", "atr"):
             run = directory / "runs" / f"{arm}-s0"
             training, evaluation = offline_runs(run)[:2]  # the rerun below reports its evaluation again
@@ -166,7 +127,7 @@ def test_shared_flags_become_the_parameters_of_the_trust_regions_that_take_them(
     from atrctl.experiments.compare import plan_comparison
 
     comparison = plan_comparison(
-        ["grpo", "dapo", "atr", "gspo"], seeds=1, n=4, problems=8, jobs=1, recipe=load_recipe(None, FAST),
+        ["grpo", "dapo", "atr", "gspo"], seeds=1, n=4, problems=8, jobs=1, recipe=load_recipe(None, COMPARE),
         max_kl3=0.05, eps=0.1, eps_high=0.3, name=None, overwrite=False, results=tmp_path,
     )  # fmt: skip
     expected = {"grpo": {"eps": 0.1}, "dapo": {"eps_low": 0.1, "eps_high": 0.3}, "atr": {"max_kl3": 0.05}}
@@ -178,7 +139,7 @@ def test_shared_flags_become_the_parameters_of_the_trust_regions_that_take_them(
 def test_the_pipeline_runs_from_python_without_the_cli(tmp_path):
     from atrctl.experiments.compare import plan_comparison, run_comparison
 
-    recipe = load_recipe(None, [*FAST, "run.steps=1"])
+    recipe = load_recipe(None, [*COMPARE, "run.steps=1"])
     comparison = plan_comparison(
         ["grpo", "atr"], seeds=1, n=2, problems=4, jobs=2, recipe=recipe, max_kl3=None, eps=None, eps_high=None,
         name="py", overwrite=False, results=tmp_path,

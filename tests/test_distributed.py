@@ -17,9 +17,9 @@ import sys
 
 import pytest
 import torch
+from helpers import fast, recipe_maker
 from safetensors.torch import load_file
 
-from atrctl.config.loading import load_recipe
 from atrctl.core.aggregation import aggregation_normaliser
 from atrctl.errors import UserError
 from atrctl.model.batch import Rollout, equal_runs
@@ -38,30 +38,19 @@ from atrctl.training.batching import (
 from atrctl.training.checks import validate_algo
 from atrctl.training.loop import train
 
-FAST = [
-    "task.args.digits=1",
-    "model.device=cpu",
-    "warmup.max_steps=60",
-    "warmup.target_accuracy=1.0",
-    "warmup.batch_size=32",
-    "warmup.eval_every=60",
-    "warmup.eval_problems=10",
-    "rollout.prompts=4",
-    "rollout.group_size=4",
+FAST = fast(
     "eval.problems=6",
-    "eval.samples=2",
     "eval.every=100",
     "run.steps=3",
     "algo.minibatches=2",
     "algo.num_iterations=2",
     "algo.entropy_coef=0.01",
     "optim.lr=1e-3",
-]
+)
 DDP = ["rollout.sample_batch=4"]  # one prompt per sampling chunk: the same chunks at 1 and 2 processes
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from helpers import fast, recipe_maker
 
 from atrctl.cli import main
 from atrctl.config import loading
@@ -24,30 +25,14 @@ from atrctl.tasks import TASKS
 from atrctl.training import step as step_module
 from atrctl.training.loop import train
 
-FAST = [
-    "task.args.digits=1",
-    "model.device=cpu",
-    "warmup.max_steps=60",
-    "warmup.target_accuracy=1.0",
-    "warmup.batch_size=32",
-    "warmup.eval_every=60",
-    "warmup.eval_problems=10",
-    "rollout.prompts=4",
-    "rollout.group_size=4",
-    "eval.problems=10",
-    "eval.samples=2",
-    "eval.every=2",
-    "run.steps=2",
-    "algo.minibatches=2",
-    "algo.entropy_coef=0.01",
-    "optim.lr=1e-3",
-]  # the bonus moves every update
+FAST = fast(
+    "eval.every=2", "run.steps=2", "algo.minibatches=2", "algo.entropy_coef=0.01", "optim.lr=1e-3"
+)  # the bonus moves every update
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 def test_every_choice_list_is_its_registry():

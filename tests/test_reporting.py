@@ -5,34 +5,19 @@ import os
 import signal
 
 import pytest
+from helpers import fast, offline_runs, recipe_maker
 
 from atrctl.cli import main
-from atrctl.config.loading import TRACKERS, check_report_to, load_recipe, recipe_from_dict
+from atrctl.config.loading import TRACKERS, check_report_to, recipe_from_dict
 from atrctl.config.schema import RunConfig
 from atrctl.errors import UserError
 from atrctl.training.loop import train
 from atrctl.training.trackers import REPORTERS, comparison_group, reporter_names
 
-FAST = [
-    "task.args.digits=1",
-    "model.device=cpu",
-    "warmup.max_steps=60",
-    "warmup.target_accuracy=1.0",
-    "warmup.batch_size=32",
-    "warmup.eval_every=60",
-    "warmup.eval_problems=10",
-    "rollout.prompts=4",
-    "rollout.group_size=4",
-    "eval.problems=6",
-    "eval.samples=2",
-    "eval.every=2",
-    "algo.entropy_coef=0.01",
-    "optim.lr=1e-3",
-]
+FAST = fast("eval.problems=6", "eval.every=2", "algo.entropy_coef=0.01", "optim.lr=1e-3")
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -40,13 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 def records(directory):
     return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
-
-
-def offline_runs(directory):
-    """Every offline W&B run in a run directory, oldest first (one per session: start, resume, evaluation)."""
-    from wandb_offline import offline_run
-
-    return [offline_run(path) for path in sorted((directory / "wandb").glob("offline-run-*/run-*.wandb"))]
 
 
 @pytest.fixture

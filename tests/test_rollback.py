@@ -6,26 +6,22 @@ import json
 
 import pytest
 import torch
+from helpers import fast, recipe_maker
 from safetensors.torch import load_file
 
 from atrctl.cli import main
-from atrctl.config.loading import load_recipe
 from atrctl.rollout.backend import NonFiniteProbabilities
 from atrctl.training import step as step_module
 from atrctl.training.bad_steps import TrainingStopped
 from atrctl.training.loop import train
 from atrctl.training.rollback import Snapshot
 
-FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
-        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
-        "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "algo.minibatches=1",
-        "run.checkpoint_every=1"]  # fmt: skip
+FAST = fast("algo.minibatches=1", "run.checkpoint_every=1")
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 def adam_step(model, optimizer, seed):

@@ -6,23 +6,20 @@ import json
 import os
 
 import pytest
+from helpers import fast, recipe_maker
 
 from atrctl.cli import main
-from atrctl.config.loading import load_recipe
 from atrctl.experiments.compare import Arm, Comparison, prepare
 from atrctl.training import loop
 from atrctl.training.loop import train
 from atrctl.training.rundir import aside, exclusive, restore_aside
 
-FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
-        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
-        "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "run.steps=2", "algo.minibatches=1"]  # fmt: skip
+FAST = fast("run.steps=2", "algo.minibatches=1")
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 def tree(folder):

@@ -16,22 +16,20 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import fast, recipe_maker
 from test_safety import refused, workspace  # noqa: F401 - workspace is a fixture
 
 from atrctl.cli import main
-from atrctl.config.loading import load_recipe, recipe_to_dict, to_toml
+from atrctl.config.loading import recipe_to_dict, to_toml
 from atrctl.reports.curves import points
 
-FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
-        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
-        "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "run.steps=2", "algo.minibatches=1"]  # fmt: skip
+FAST = fast("run.steps=2", "algo.minibatches=1")
 SETS = [flag for item in FAST for flag in ("--set", item)]
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 def tree(folder) -> dict[str, str]:

@@ -9,7 +9,7 @@ import stat
 
 import numpy as np
 import pytest
-from test_compare import FAST, compare_args
+from helpers import COMPARE, compare_args
 from test_safety import refused, tree
 
 from atrctl.cli import main
@@ -23,7 +23,7 @@ from atrctl.training.base_cache import base_key
 from atrctl.training.rundir import RunDir
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
-SETS = [flag for item in FAST for flag in ("--set", item)]
+SETS = [flag for item in COMPARE for flag in ("--set", item)]
 
 
 def unlocked(folder):
@@ -109,7 +109,7 @@ def test_a_run_of_a_comparison_is_trained_only_by_the_comparison(workspace, caps
 
 
 def comparison_of(results, *arms, seeds=1):
-    recipe = load_recipe(None, [*FAST, "run.steps=2"])
+    recipe = load_recipe(None, [*COMPARE, "run.steps=2"])
     options = dict(seeds=seeds, n=2, problems=8, jobs=1, recipe=recipe, max_kl3=None, eps=None, eps_high=None)
     return plan_comparison(list(arms or ("grpo", "atr")), name=None, overwrite=False, results=results, **options)
 
@@ -145,7 +145,7 @@ def test_a_foreign_run_in_a_comparison_is_refused_before_any_work(tmp_path, caps
     results = tmp_path / "results"
     comparison = comparison_of(results)
     prepare(comparison, overwrite=False)
-    foreign = load_recipe(None, [*FAST, "run.steps=2", "algo.loss=grpo", "optim.lr=1e-3"])
+    foreign = load_recipe(None, [*COMPARE, "run.steps=2", "algo.loss=grpo", "optim.lr=1e-3"])
     fake_finished_run(comparison.directory / "runs" / "grpo-s0", foreign)
     before = unlocked(tmp_path)
     argv = [*compare_args(results), "--n", "2"]
@@ -196,7 +196,7 @@ def write_damage(path, text):
 @pytest.mark.parametrize("command", ["warmup", "train", "compare"])
 def test_a_damaged_base_is_one_line_naming_it(tmp_path, capsys, monkeypatch, text, problem, command):
     monkeypatch.chdir(tmp_path)
-    base = tmp_path / "results" / "bases" / base_key(load_recipe(None, FAST))
+    base = tmp_path / "results" / "bases" / base_key(load_recipe(None, COMPARE))
     base.mkdir(parents=True)
     write_damage(base / "base.json", text)
     before = unlocked(tmp_path)
@@ -207,7 +207,7 @@ def test_a_damaged_base_is_one_line_naming_it(tmp_path, capsys, monkeypatch, tex
 
 def test_a_base_folder_without_its_record_is_damaged_too(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    base = tmp_path / "results" / "bases" / base_key(load_recipe(None, FAST))
+    base = tmp_path / "results" / "bases" / base_key(load_recipe(None, COMPARE))
     (base / "base.json").mkdir(parents=True)
     refused(capsys, ["warmup", *SETS], "base.json is damaged (a directory, not a file): delete")
     shutil.rmtree(base / "base.json")

@@ -19,26 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fast, recipe_maker
 from test_distributed import assert_same_weights, weights  # the data-parallel tests' tolerance
 
-from atrctl.config.loading import load_recipe
 from atrctl.errors import UserError
 from atrctl.training.loop import train
 from atrctl.training.sharding import check_can_shard
 
-FAST = [
-    "task.args.digits=1",
-    "model.device=cpu",
+FAST = fast(
     "warmup.max_steps=15",  # a weak base: mixed rewards, so rows are skipped unevenly over the ranks
-    "warmup.target_accuracy=1.0",
-    "warmup.batch_size=32",
     "warmup.eval_every=15",
-    "warmup.eval_problems=10",
-    "rollout.prompts=4",
-    "rollout.group_size=4",
     "rollout.sample_batch=4",  # one prompt per sampling chunk: the same chunks at 1 and 2 processes
     "eval.problems=6",
-    "eval.samples=2",
     "eval.every=100",
     "run.steps=3",
     "algo.minibatches=2",
@@ -47,11 +39,10 @@ FAST = [
     "algo.old_logprobs=recompute",  # a pass without backward: FSDP's root must be resharded after it
     "model.gradient_checkpointing=true",
     "optim.lr=1e-3",
-]
+)
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

@@ -14,11 +14,12 @@ import sys
 
 import pytest
 import torch
+from helpers import fast, recipe_maker
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from atrctl.cli import main
-from atrctl.config.loading import load_recipe, recipe_from_dict
+from atrctl.config.loading import recipe_from_dict
 from atrctl.config.schema import AlgoConfig
 from atrctl.core.losses import LossOutput
 from atrctl.errors import UserError
@@ -48,24 +49,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-FAST = [
-    "task.args.digits=1",
-    "model.device=cpu",
-    "warmup.max_steps=60",
-    "warmup.target_accuracy=1.0",
-    "warmup.batch_size=32",
-    "warmup.eval_every=60",
-    "warmup.eval_problems=10",
-    "rollout.prompts=4",
-    "rollout.group_size=4",
-    "eval.problems=10",
-    "eval.samples=2",
-    "eval.every=2",
-    "run.steps=4",
-    "algo.minibatches=1",
-    "algo.entropy_coef=0.01",
-    "optim.lr=1e-3",
-]
+FAST = fast("eval.every=2", "run.steps=4", "algo.minibatches=1", "algo.entropy_coef=0.01", "optim.lr=1e-3")
 
 METRICS = (
     "reward/mean",
@@ -101,8 +85,7 @@ TIMING = (
 )
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

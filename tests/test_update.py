@@ -3,24 +3,20 @@ forward/backward (their policy-loss gradient is exactly 0), and the mini-batch's
 
 import pytest
 import torch
+from helpers import fast, recipe_maker
 
-from atrctl.config.loading import load_recipe
 from atrctl.core.losses import POLICY_LOSSES, define_loss, loss_parameters, policy_loss
 from atrctl.model.forward import completion_logprobs
 from atrctl.training import step as step_module
 from atrctl.training.setup import build_run
 from atrctl.training.step import recomputes_old_logprobs, rollout_step, skips_zero_advantage, update_step
 
-FAST = ["task.args.digits=1", "model.device=cpu", "warmup.max_steps=60", "warmup.target_accuracy=1.0",
-        "warmup.batch_size=32", "warmup.eval_every=60", "warmup.eval_problems=10", "rollout.prompts=4",
-        "rollout.group_size=4", "eval.problems=10", "eval.samples=2", "algo.minibatches=2",
-        "algo.num_iterations=2", "optim.lr=1e-5", "rollout.temperature=2.0"]  # fmt: skip
+FAST = fast("algo.minibatches=2", "algo.num_iterations=2", "optim.lr=1e-5", "rollout.temperature=2.0")
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def recipe(*overrides):
-    return load_recipe(None, [*FAST, *overrides])
+recipe = recipe_maker(FAST)
 
 
 class Update:
