@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import DATA, REPO
 from safetensors.torch import load_file, save_file
 
 from atrctl.cli import main
@@ -23,7 +24,7 @@ from atrctl.rollout.hf import HFSampler, stop_tokens
 from atrctl.rollout.prompts import PromptStyle, encode_prompts, prompt_style
 from atrctl.tasks import get_task
 
-TOKENIZER = Path(__file__).parent / "data" / "smollm2-tokenizer"
+TOKENIZER = DATA / "smollm2-tokenizer"
 POSITIONS = 96
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -184,7 +185,7 @@ def test_the_default_sampling_batch_is_sized_from_the_models_kv_cache():
 
 
 def test_one_step_of_the_smollm2_recipe_runs_on_its_stand_in(model_dir, tmp_path):
-    recipe = Path(__file__).parent.parent / "recipes" / "smollm2-arith-cpu.toml"
+    recipe = REPO / "recipes" / "smollm2-arith-cpu.toml"
     sets = [f"model.base={model_dir}", "rollout.prompts=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
             "eval.problems=2", "eval.samples=1", "run.steps=1"]  # fmt: skip
     args = ["train", "--recipe", str(recipe), "--name", "run", "--results", str(tmp_path)]

@@ -6,17 +6,16 @@ Only sizes are shrunk: the recipe's task, chat template, dtype and memory settin
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import DATA, REPO
 
 from atrctl.cli import main
 from atrctl.config.loading import load_recipe
 from atrctl.model.loading import build_char_tokenizer, build_model
 
-RECIPES = Path(__file__).parent.parent / "recipes"
-DATA = Path(__file__).parent / "data"
+RECIPES = REPO / "recipes"
 CASES = {"gsm8k-qwen2.5-0.5b": DATA / "gsm8k_sample.jsonl", "math-qwen2.5-1.5b": DATA / "math_sample.jsonl"}
 CHAT = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

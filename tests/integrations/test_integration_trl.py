@@ -5,12 +5,14 @@ import sys
 
 import pytest
 import torch
+from helpers import REPO
 
 from atrctl.core.divergence import equivalent_clip, kl3_bounds, trust_region
 from atrctl.errors import UserError
 from atrctl.model.loading import build_char_tokenizer, build_model
 
 trl = pytest.importorskip("trl")
+
 from atrctl.integrations.trl import AtrctlGRPOTrainer, atr_grpo_config, region_grpo_config  # noqa: E402
 
 
@@ -162,9 +164,8 @@ def test_a_missing_trl_is_one_line_naming_the_extra(monkeypatch):
 def test_the_readme_trl_example_runs_on_the_tiny_model(tmp_path, model_dir, monkeypatch):
     """The README's TRL block as written, with the model swapped for the tiny one and one CPU step each."""
     import re
-    from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     code = re.search(r"<!-- trl-example -->\n```python\n(.*?)```", readme, re.S)[1]
     assert code.count('"Qwen/Qwen2.5-0.5B-Instruct"') == 1 and code.count('output_dir="grpo-atr"') == 1
     code = code.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(model_dir))).replace(

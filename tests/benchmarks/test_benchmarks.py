@@ -6,11 +6,11 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import REPO
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 TOOLS = {  # tool: a line its output holds when it measured something
     "vs_trl": "steps/s",
     "step_throughput": "steps/s",

@@ -1,13 +1,13 @@
 """benchmarks/profile_step.py --by-shape: the FLOPs it divides each product's time into are torch's own count."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 from profile_step import product_flops  # noqa: E402
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import fast, recipe_maker
+from helpers import REPO, fast, recipe_maker
 from test_safety import refused, workspace  # noqa: F401 - workspace is a fixture
 
 from atrctl.cli import main
@@ -357,7 +357,7 @@ def atrctl_command(*argv: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [["ls"], ["export"], ["plot-bounds", "--out", "b.png"]])
 def test_real_full_devices_and_closed_pipes_give_no_traceback(tmp_path, argv):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open("/dev/full", "w") as full:
         done = subprocess.run(atrctl_command(*argv), stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                               env=env)  # fmt: skip
@@ -441,7 +441,7 @@ def test_a_terminated_import_leaves_no_staging(tmp_path):
     stale = tmp_path / ".model.import-k1ll3d"  # what a SIGKILLed import left
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"\0" * 1024)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(atrctl_command("import-gguf", str(smollm2_gguf()), "--out", str(tmp_path / "model")),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     deadline = time.monotonic() + 300

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # test_sharding, helpers
 import test_sharding  # noqa: E402
 
 from atrctl.runtime import distributed  # noqa: E402
 from atrctl.training.batching import parts  # noqa: E402
-from atrctl.training.setup import build_run
+from atrctl.training.setup import build_run  # noqa: E402
 from atrctl.training.sharding import full_tensor  # noqa: E402
 from atrctl.training.step import rollout_step, update_step  # noqa: E402
 

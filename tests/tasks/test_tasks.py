@@ -4,15 +4,14 @@ import builtins
 import json
 import string
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+from helpers import DATA
 
 from atrctl.errors import UserError
 from atrctl.tasks import TASKS, Problem, get_task
 from atrctl.tasks.answer import answer_number, find_answer, last_boxed
 
-DATA = Path(__file__).parent / "data"
 ALPHABET = set(string.digits + "+-*/()=<>.,:;?! " + string.ascii_lowercase + "\n")
 
 
