@@ -144,7 +144,7 @@ def seconds(work) -> float:
 
 def parse_with_smoke(parser: argparse.ArgumentParser, **smallest) -> argparse.Namespace:
     """The tool's arguments, with `--smoke` setting `smallest`: a run of a few seconds that checks the tool
-    still works (tests/test_benchmarks.py runs every tool so); its figures mean nothing."""
+    still works (tests/benchmarks/test_benchmarks.py runs every tool so); its figures mean nothing."""
     parser.add_argument("--smoke", action="store_true", help="the smallest run (seconds): checks the tool works")
     args = parser.parse_args()
     if args.smoke:

@@ -52,7 +52,7 @@ def tv_band_bounds(old_logp: Tensor, delta: float, dtype: torch.dtype = torch.fl
     1/p is computed as exp(-log p), the very expression of the ratio of a token whose new logprob is 0
     (float32 log-softmax gives exactly 0 to a dominant token): such a token sits exactly on u on every
     device.  As 1.0 / exp(log p) it landed an ulp on either side of its ratio, clipped on a GPU and not on
-    the CPU (tests/test_losses.py::test_cuda_matches_cpu, seen on an H200).
+    the CPU (tests/core/test_losses.py::test_cuda_matches_cpu, seen on an H200).
     """
     delta = _check_delta(delta, TV_DELTA_RANGE)
     log_p = old_logp.detach().to(dtype).clamp(max=0.0)

@@ -1,11 +1,11 @@
-"""One update of a crafted batch, sharded or not (run by tests/test_sharding.py, under torchrun for "fsdp").
+"""One update of a crafted batch, sharded or not (run by tests/training/test_sharding.py, under torchrun for "fsdp").
 
 The first mini-batch's advantages are all 0, so no rank trains a row of it, while the second's are not:
 with the old logprobs recomputed first (a pass without backward), the first optimiser step then has no
 forward or backward pass at all (unless algo.beta > 0: then its rows still train on the KL term, against
 a sharded reference).  The final parameters, gathered, go to argv[1] (torch.save, rank 0).
 
-    python -m torch.distributed.run --nproc-per-node N tests/sharded_update.py OUT RESULTS fsdp [OVERRIDE ...]
+    python -m torch.distributed.run --nproc-per-node N tests/training/sharded_update.py OUT RESULTS fsdp [OVERRIDE ...]
 (the unsharded update: `crafted_update(results, "none", *overrides)` in the test's own process)
 """
 
