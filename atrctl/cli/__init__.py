@@ -16,7 +16,7 @@ import sys
 import typer
 
 from atrctl.cli import compare, evaluate, export, import_gguf, ls, plots, train
-from atrctl.cli.display import OutputLost, stderr
+from atrctl.cli.display import OutputLost, show_notices, stderr
 from atrctl.cli.options import app
 from atrctl.errors import UserError
 from atrctl.files.destinations import disk_full
@@ -41,6 +41,7 @@ for _name, _command in COMMANDS.items():
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; bad input becomes one line on stderr and exit code 2, never a traceback."""
     invocation = list(sys.argv[1:] if argv is None else argv)  # as typed, for reports and relaunches
+    show_notices()
     try:
         code = app(args=argv, prog_name="atrctl", standalone_mode=False, obj=invocation)
     except OutputLost as lost:

@@ -6,6 +6,7 @@ Heavy libraries stay out: this module is imported by `atrctl --help`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -65,6 +66,21 @@ def stdout_console() -> Console:
 
 console = stdout_console()
 stderr = Console(file=_Guarded("stderr"), stderr=True)
+
+
+class _NoticeLines(logging.Handler):
+    """The `atrctl` loggers' notices (a "note: ..." or "warning: ..." the library logs), each one line on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stderr.print(record.getMessage(), markup=False, highlight=False, soft_wrap=True)
+
+
+def show_notices() -> None:
+    """Show the library's notices on stderr: the one channel by which a command tells the user what is not an
+    error (a damaged file passed over, a setting that falls back), once per process however often it runs."""
+    logger = logging.getLogger("atrctl")
+    if not any(isinstance(handler, _NoticeLines) for handler in logger.handlers):
+        logger.addHandler(_NoticeLines(logging.WARNING))
 
 
 def quiet_libraries() -> None:

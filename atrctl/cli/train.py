@@ -143,7 +143,6 @@ def train(
                 overwrite=overwrite,
                 on_step=on_step,
                 on_warmup=on_warmup,
-                on_notice=lambda note: stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True),
             )
     except KeyboardInterrupt:
         from atrctl.training.checkpoint import find_checkpoint

@@ -20,7 +20,7 @@ checkpointing; anything else keeps transformers' forward.
 
 from __future__ import annotations
 
-import warnings
+import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +34,8 @@ from atrctl.model.batch import Rollout, equal_runs, position_ids
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+log = logging.getLogger(__name__)
+
 DECODERS = {"LlamaModel", "Qwen2Model"}  # class names whose forward this module reproduces
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # rotary tables that do not change with the sequence length
 
@@ -44,10 +46,10 @@ def compile_policy(model: PreTrainedModel) -> bool:
     then runs eagerly.  Compilation happens at the first use: 10-60 s on a 2-core CPU (less when torch's
     on-disk cache already holds it)."""
     if not supports(model):
-        warnings.warn(
-            f"model.compile: {type(model).__name__} is not a decoder atrctl compiles (Llama and Qwen2 with full "
-            "attention, no activation checkpointing); it runs eagerly",
-            stacklevel=2,
+        log.warning(
+            "warning: model.compile: %s is not a decoder atrctl compiles (Llama and Qwen2 with full attention, no "
+            "activation checkpointing); it runs eagerly",
+            type(model).__name__,
         )
         return False
     _COMPILED[model] = True

@@ -57,7 +57,7 @@ def load_problems(
     if skipped and skipped == total:
         raise UserError(f"no usable {task} rows in {path}: none has a reference answer in the expected format")
     if skipped:
-        log.warning("skipped %d of %d %s rows without a usable reference answer", skipped, total, task)
+        log.warning("note: skipped %d of %d %s rows without a usable reference answer", skipped, total, task)
     return problems
 
 

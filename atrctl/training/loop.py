@@ -12,6 +12,7 @@ gradients are summed over ranks after each mini-batch, and rank 0 alone evaluate
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -53,6 +54,8 @@ from atrctl.training.sharding import gathered_weights, memory_line
 from atrctl.training.step import train_step
 from atrctl.training.trackers import Reporters, check_installed, held_out_table, reporter_names
 
+log = logging.getLogger(__name__)
+
 
 def train(
     recipe: Recipe,
@@ -63,10 +66,10 @@ def train(
     overwrite: bool = False,
     on_step: Callable[[dict[str, float]], None] | None = None,
     on_warmup: Callable[[int, int, float, float | None], None] | None = None,
-    on_notice: Callable[[str], None] | None = None,
 ) -> dict | None:
     """Run (or resume) a training run in `directory`; returns the summary written to summary.json.
-    `on_notice` gets what the user should read but is not an error (a damaged checkpoint passed over).
+    What the user should read but is not an error (a damaged checkpoint passed over) is a notice on the
+    `atrctl` loggers (`atrctl.cli.display.show_notices`).
 
     Under torchrun every rank trains on its share of each step and only rank 0 writes, evaluates
     and reports (the other ranks return None).  Everything that can fail on bad input (recipe,
@@ -76,7 +79,7 @@ def train(
     from atrctl.model.numerics import resolve_device
 
     with distributed.process_group(resolve_device(recipe.model.device)):
-        return _train(recipe, RunDir(directory), results, resume, overwrite, on_step, on_warmup, on_notice)
+        return _train(recipe, RunDir(directory), results, resume, overwrite, on_step, on_warmup)
 
 
 def _train(
@@ -87,7 +90,6 @@ def _train(
     overwrite: bool,
     on_step: Callable[[dict[str, float]], None] | None,
     on_warmup: Callable[[int, int, float, float | None], None] | None,
-    on_notice: Callable[[str], None] | None,
 ) -> dict | None:
     main = distributed.is_main()
     # rank 0 decides and every rank abides, so none is left waiting in a collective for a refused one
@@ -111,20 +113,20 @@ def _train(
         state, replacing = TrainState(recipe=recipe_to_dict(recipe), weights=weights), False
         try:
             if resume:
-                state = _resume(run, on_notice)
+                state = _resume(run)
             elif main:
                 replacing = True
                 run_dir.create(recipe, environment(run.device))  # an old run (approved --overwrite) is moved aside
-            if run.adapters is not None and main and on_notice is not None:
-                on_notice(adapter_line(run.model))
-            return _run_steps(run, state, resume, on_step, on_notice)
+            if run.adapters is not None and main:
+                log.warning("note: %s", adapter_line(run.model))
+            return _run_steps(run, state, resume, on_step)
         except BaseException:
             if replacing:
                 run_dir.restore_replaced()  # the new run logged no step: the one it was to replace comes back
             raise
 
 
-def _resume(run: Run, on_notice: Callable[[str], None] | None) -> TrainState:
+def _resume(run: Run) -> TrainState:
     """Load the newest intact checkpoint (every rank: the state is replicated; sampling seeds derive from the
     step) and drop the metrics logged after it."""
     state, where, note = load_latest_checkpoint(run.run_dir.checkpoint, run.model, run.optimizer)
@@ -136,24 +138,20 @@ def _resume(run: Run, on_notice: Callable[[str], None] | None) -> TrainState:
         if where != run.run_dir.checkpoint:
             promote_previous(run.run_dir.checkpoint)
         run.run_dir.trim_metrics(state.step)
-        if note and on_notice is not None:
-            on_notice(note)
+        if note:
+            log.warning("note: %s", note)
     return state
 
 
 def _run_steps(
-    run: Run,
-    state: TrainState,
-    resume: bool,
-    on_step: Callable[[dict[str, float]], None] | None,
-    on_notice: Callable[[str], None] | None,
+    run: Run, state: TrainState, resume: bool, on_step: Callable[[dict[str, float]], None] | None
 ) -> dict | None:
     """`_loop`, reported to the recipe's trackers (rank 0): its steps, and the held-out table at the end."""
     recipe = run.recipe
     names = reporter_names(recipe.run) if distributed.is_main() else []
     reporters = Reporters(names, run.run_dir.path, recipe_to_dict(recipe), resumed_at=state.step if resume else None)
     try:
-        summary = _loop(run, state, resume, on_step, on_notice, reporters)
+        summary = _loop(run, state, resume, on_step, reporters)
     except BaseException:
         reporters.close(failed=True)
         raise
@@ -164,12 +162,7 @@ def _run_steps(
 
 
 def _loop(
-    run: Run,
-    state: TrainState,
-    resume: bool,
-    on_step: Callable[[dict[str, float]], None] | None,
-    on_notice: Callable[[str], None] | None,
-    reporters: Reporters,
+    run: Run, state: TrainState, resume: bool, on_step: Callable[[dict[str, float]], None] | None, reporters: Reporters
 ) -> dict | None:
     """The loop: the base's held-out figures, then RL steps with logging, checkpoints and clean stops."""
     recipe, run_dir, main = run.recipe, run.run_dir, distributed.is_main()
@@ -209,8 +202,8 @@ def _loop(
                 checkpoint()
                 raise TrainingStopped(bad_steps_message(run, state)) from None
             state.step += 1
-            if is_sharded(run.model) and main and on_notice is not None and not measured:  # gradients, moments exist
-                on_notice(memory_line(run.model, run.optimizer, run.sampler.full_copy))
+            if is_sharded(run.model) and main and not measured:  # its gradients and moments exist by now
+                log.warning("note: %s", memory_line(run.model, run.optimizer, run.sampler.full_copy))
                 measured = True
             if not finite:
                 count_bad_step(state)

@@ -68,3 +68,15 @@ def test_a_phase_whose_total_shrinks_to_what_is_done_ends_and_stops_beating(monk
     assert warmup_lines[-1].startswith("warm-up base  400/400  loss 0.664")
     assert lines_of(out)[ended - 1] == warmup_lines[-1]  # written when it ended, never again
     assert sum(line.startswith("train 8 runs  1/2400") for line in lines_of(out)) >= 3  # the heartbeat ran
+
+
+def test_a_notice_of_any_atrctl_module_is_one_line_on_stderr_once_however_often_the_cli_runs(capsys):
+    import logging
+
+    from atrctl.cli import main
+
+    assert main(["ls"]) == 0 and main(["ls"]) == 0  # each run routes the notices; only the first adds the route
+    capsys.readouterr()
+    logging.getLogger("atrctl.experiments.compare").warning("note: %s is damaged", "eval/result.json")
+    logging.getLogger("atrctl.experiments.compare").info("progress the user does not need")
+    assert capsys.readouterr().err == "note: eval/result.json is damaged\n"

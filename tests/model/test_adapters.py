@@ -2,6 +2,7 @@
 of adapters alone, exact resume, the merged and the adapter-only final model, and bad input."""
 
 import json
+import logging
 import os
 import signal
 import warnings
@@ -252,15 +253,16 @@ def test_a_kl_penalty_uses_the_base_under_the_adapters(results, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_bf16_autocast_run_on_a_bf16_base_equals_the_run_that_keeps_the_base_in_float32(results, monkeypatch):
+def test_a_bf16_autocast_run_on_a_bf16_base_equals_the_run_that_keeps_the_base_in_float32(results, monkeypatch, caplog):
     from atrctl.training import setup as setup_module
 
     model, tokenizer = bf16_valued_tiny()
     model.save_pretrained(results / "bf16-base")
     tokenizer.save_pretrained(results / "bf16-base")
     overrides = ("run.steps=2", f"model.base={results / 'bf16-base'}", "model.autocast=bfloat16", "algo.beta=0.1")
-    notices = []
-    train(recipe(*overrides), results / "bf16", results=results, on_notice=notices.append)
+    with caplog.at_level(logging.WARNING, logger="atrctl"):
+        train(recipe(*overrides), results / "bf16", results=results)
+    notices = [record.getMessage() for record in caplog.records]
     assert any("bf16 where autocast casts it" in line for line in notices)  # the base was stored in bf16
     monkeypatch.setattr(setup_module, "store_frozen_base", lambda *args: False)
     train(recipe(*overrides), results / "float32", results=results)
