@@ -188,20 +188,31 @@ def decoder_states(model: PreTrainedModel, inputs: DecoderInputs) -> torch.Tenso
     def completions(t: torch.Tensor) -> torch.Tensor:  # [N, heads, head_dim] -> [B, heads, T-1, head_dim]
         return t[split:].view(rows, steps, *t.shape[1:]).transpose(1, 2)
 
-    hidden = decoder.embed_tokens(torch.cat([inputs.prompt_ids.flatten(), inputs.completion_ids.flatten()]))
-    for layer in decoder.layers:
-        attention = layer.self_attn
-        q, k, v = _projections(attention, layer.input_layernorm(hidden), inputs.rope)  # [N, heads, head_dim]
+    def attend(index: int, attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = [_attend(attention, prompts(q), prompts(k), prompts(v), inputs.prompt_mask).flatten(0, 1)]
         if steps:  # the completions attend to their prompt's keys and values, then to their own
             keys = torch.cat([_to_rows(prompts(k), inputs.owner), completions(k)], dim=2)
             values = torch.cat([_to_rows(prompts(v), inputs.owner), completions(v)], dim=2)
             out.append(_attend(attention, completions(q), keys, values, inputs.completion_mask).flatten(0, 1))
-        hidden = hidden + attention.o_proj(torch.cat(out) if steps else out[0])
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return torch.cat(out) if steps else out[0]
+
+    hidden = decoder.embed_tokens(torch.cat([inputs.prompt_ids.flatten(), inputs.completion_ids.flatten()]))
+    hidden = _layers(decoder, hidden, inputs.rope, attend)
     last = decoder.norm(hidden[:split].view(distinct, width, -1)[:, -1:])  # [D, 1, H]
     last = _to_rows(last, inputs.owner)  # [B, 1, H]
     return torch.cat([last, decoder.norm(hidden[split:].view(rows, steps, -1))], dim=1) if steps else last
+
+
+def _layers(decoder, hidden: torch.Tensor, rope: Rotary, attend) -> torch.Tensor:
+    """The decoder's layers over positions `hidden` [..., H]: the one layer loop of every pass (the update's,
+    the prefill and the decoding step).  `attend(index, attention, q, k, v)` is what differs between them: the
+    attention output [..., heads·head_dim] of the positions' queries, keys and values [..., heads, head_dim]."""
+    for index, layer in enumerate(decoder.layers):
+        attention = layer.self_attn
+        q, k, v = _projections(attention, layer.input_layernorm(hidden), rope)
+        hidden = hidden + attention.o_proj(attend(index, attention, q, k, v))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden
 
 
 def rotary(decoder, positions: torch.Tensor, below: int) -> Rotary:
@@ -274,9 +285,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         return x @ rotation
 
 
-def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _attend(
+    attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    cached: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """softmax(q·kᵀ·scale + mask)·v of q [rows, heads, L, head_dim], heads side by side: [rows, L, heads·head_dim]
     (the output projection's input).  mask: [rows, 1, L, S] bool, True = attend, at least one per query.
+    With `cached` (a decoding step's keys and values of one layer, [rows, H_kv, S, head_dim] each) q is the
+    step's one position per row, and mask [rows, S + 1] covers the cache, then the new key.
 
     Short attention on a CPU (at most MATH_ATTENTION_MAX query-key pairs per head) is written out as two
     products and a softmax, in float32 whatever the autocast: torch's CPU flash kernel takes up to 2x as long
@@ -291,6 +311,13 @@ def _attend(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     rows, heads, length, dim = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads  # grouped-query attention: query head h reads KV head h // groups
+    if cached is not None:  # one decoding step: a query per row over the cache, then over its own new key
+        grouped = q.view(rows, kv_heads, groups, dim)
+        scores = torch.cat([grouped @ cached[0].transpose(-1, -2), grouped @ k.transpose(-1, -2)], dim=-1)
+        scores = (scores * attention.scaling).masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [B, H_kv, groups, S + 1]
+        out = probs[..., :-1] @ cached[1] + probs[..., -1:] * v  # [B, H_kv, groups, D]
+        return out.reshape(rows, 1, heads * dim)
     if q.device.type == "cpu" and length * k.shape[2] <= MATH_ATTENTION_MAX:
         with torch.autocast("cpu", enabled=False):
             grouped = q.float().reshape(rows, kv_heads, groups * length, dim)  # a KV head's queries as one matrix
@@ -334,15 +361,15 @@ def prefill(
     rope: `rotary` of the prompts' positions; mask: `causal_mask` of their padding.  Same function as
     transformers' prefill, to float rounding (tested)."""
     decoder = model.get_decoder()
-    hidden = decoder.embed_tokens(prompt_ids)  # [D, P, H]
     keys, values = [], []
-    for layer in decoder.layers:
-        attention = layer.self_attn
-        q, k, v = (t.transpose(1, 2) for t in _projections(attention, layer.input_layernorm(hidden), rope))
+
+    def attend(index: int, attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [D, heads, P, head_dim]
         keys.append(k)
         values.append(v)
-        hidden = hidden + attention.o_proj(_attend(attention, q, k, v, mask))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return _attend(attention, q, k, v, mask)
+
+    hidden = _layers(decoder, decoder.embed_tokens(prompt_ids), rope, attend)  # [D, P, H]
     return model.get_output_embeddings()(decoder.norm(hidden[:, -1])), keys, values
 
 
@@ -363,25 +390,18 @@ def decode_step(
     the writes inside (into its inputs, which compiled code may copy back whole) the step was barely faster
     than eager in a probe; attending to the cache and to the new key separately (one softmax over both)
     keeps it free of writes.  Same function as transformers' decoding step with
-    `sampling._cpu_decode_attention`, to float rounding (tested).
+    `atrctl.rollout.hf._cpu_decode_attention`, to float rounding (tested).
     """
     decoder = model.get_decoder()
-    hidden = decoder.embed_tokens(token[:, None])  # [B, 1, H]
     new_keys, new_values = [], []
-    for layer, cached_keys, cached_values in zip(decoder.layers, keys, values, strict=True):
-        attention = layer.self_attn
-        q, k, v = (t.transpose(1, 2) for t in _projections(attention, layer.input_layernorm(hidden), rope))
+
+    def attend(index: int, attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, 1, head_dim]
         new_keys.append(k)
         new_values.append(v)
-        rows, heads, _, dim = q.shape
-        kv_heads = k.shape[1]
-        grouped = q.view(rows, kv_heads, heads // kv_heads, dim)  # query head h reads KV head h // groups
-        scores = torch.cat([grouped @ cached_keys.transpose(-1, -2), grouped @ k.transpose(-1, -2)], dim=-1)
-        scores = (scores * attention.scaling).masked_fill(~key_mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [B, H_kv, groups, S + 1]
-        out = probs[..., :-1] @ cached_values + probs[..., -1:] * v  # [B, H_kv, groups, D]
-        hidden = hidden + attention.o_proj(out.reshape(rows, 1, heads * dim))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return _attend(attention, q, k, v, key_mask, cached=(keys[index], values[index]))
+
+    hidden = _layers(decoder, decoder.embed_tokens(token[:, None]), rope, attend)  # [B, 1, H]
     logits = model.get_output_embeddings()(decoder.norm(hidden))[:, 0]
     return logits, new_keys, new_values
 
