@@ -9,7 +9,7 @@ through each position-wise step as one matrix (`decoder_states`).  Same arithmet
 model it supports takes it.
 
 Being a plain function of tensors, it is what `torch.compile` takes, with dynamic shapes, so one
-compilation serves every micro-batch's rows and widths (`model.compile`, `compile_policy`); the
+compilation serves every micro-batch's rows and widths (`model.compile`, `compilable`); the
 data-dependent parts (which rows share a prompt) stay outside it, in `decoder_inputs`.  `decode_step` is
 the sampler's twin, used when compiled: one new token per row on the preallocated KV cache.
 
@@ -40,11 +40,11 @@ DECODERS = {"LlamaModel", "Qwen2Model"}  # class names whose forward this module
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # rotary tables that do not change with the sequence length
 
 
-def compile_policy(model: PreTrainedModel) -> bool:
-    """Have `model`'s update passes and its sampler's prefill and decode steps run compiled (`update_states`,
-    `prefill`, `decode_step`); False (with a warning) where this module does not reproduce the model, which
-    then runs eagerly.  Compilation happens at the first use: 10-60 s on a 2-core CPU (less when torch's
-    on-disk cache already holds it)."""
+def compilable(model: PreTrainedModel) -> bool:
+    """Whether `model`'s update passes and its sampler's prefill and decode steps may run compiled
+    (`update_states`, `prefill`, `decode_step`, given compiled=True); False, with a warning, where this module
+    does not reproduce the model, which then runs eagerly.  Compilation happens at the first use: 10-60 s on a
+    2-core CPU (less when torch's on-disk cache already holds it)."""
     if not supports(model):
         log.warning(
             "warning: model.compile: %s is not a decoder atrctl compiles (Llama and Qwen2 with full attention, no "
@@ -52,24 +52,19 @@ def compile_policy(model: PreTrainedModel) -> bool:
             type(model).__name__,
         )
         return False
-    _COMPILED[model] = True
     return True
 
 
-def is_compiled(model: PreTrainedModel) -> bool:
-    return model in _COMPILED
-
-
-def update_states(model: PreTrainedModel, rollout: Rollout, compiled: bool | None = None) -> torch.Tensor:
-    """`decoder_states` of the rollout's rows, compiled for a model `compile_policy` registered (or where
-    `compiled` says so: a reference model computes as its policy does), else eager.
+def update_states(model: PreTrainedModel, rollout: Rollout, compiled: bool) -> torch.Tensor:
+    """`decoder_states` of the rollout's rows, compiled where `compiled` says so (a reference model computes as
+    its policy does), else eager.
 
     torch.compile specialises sizes 0 and 1 even with dynamic shapes, so a micro-batch with one row, one
     distinct prompt, a one-token prompt or completions of at most two tokens would compile once more (seen:
     one recompilation each); those rare micro-batches run the same function eagerly instead."""
     inputs = decoder_inputs(model, rollout)
     sizes = (*inputs.prompt_ids.shape, *inputs.completion_ids.shape)
-    if (is_compiled(model) if compiled is None else compiled) and min(sizes) >= 2:
+    if compiled and min(sizes) >= 2:
         return _compiled("states", decoder_states)(model, inputs)
     return decoder_states(model, inputs)
 
@@ -95,8 +90,7 @@ def compile_dynamic(function, backend: str | Callable = "inductor"):
     return run
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_COMPILED_FUNCTIONS: dict = {}
+_COMPILED_FUNCTIONS: dict = {}  # name -> its function compiled, once per process
 
 
 def supports(model: PreTrainedModel) -> bool:

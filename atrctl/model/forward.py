@@ -22,16 +22,20 @@ if TYPE_CHECKING:
 
 
 def completion_logprobs(
-    model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0, path_of: PreTrainedModel | None = None
+    model: PreTrainedModel,
+    rollout: Rollout,
+    temperature: float = 1.0,
+    path_of: PreTrainedModel | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """log_softmax(logits.float() / temperature) at each completion token, from the training forward pass.
 
     This is the training-side twin of `sample`'s logprobs (same padding, positions and numerics);
     it keeps the graph, so call it under torch.no_grad() when no gradient is wanted. [B, T] float32,
     0 where the completion is masked.  `path_of`: the model whose pass to take (`_completion_states`), when
-    not `model`'s own.
+    not `model`'s own; `compiled`: whether atrctl's decoder pass runs compiled (`Numerics.compiled`).
     """
-    return completion_logprobs_and_entropy(model, rollout, temperature, path_of=path_of)[0]
+    return completion_logprobs_and_entropy(model, rollout, temperature, path_of=path_of, compiled=compiled)[0]
 
 
 def completion_logprobs_and_entropy(
@@ -40,6 +44,7 @@ def completion_logprobs_and_entropy(
     temperature: float = 1.0,
     entropy_grad: bool = True,
     path_of: PreTrainedModel | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy of the sampling distribution) per completion token, both [B, T], 0 where masked.
 
@@ -47,7 +52,7 @@ def completion_logprobs_and_entropy(
     `entropy_grad`.  Only the completion tokens are projected to the vocabulary, a chunk at a time
     (`selective_log_softmax`): float32 logits of a whole micro-batch, [B, T, vocab], never exist at once.
     """
-    states, head = _completion_states(model, rollout, model if path_of is None else path_of)
+    states, head = _completion_states(model, rollout, model if path_of is None else path_of, compiled)
     return selective_log_softmax(
         states, head, rollout.completion_ids, rollout.completion_mask, temperature, entropy_grad
     )
@@ -108,7 +113,7 @@ def _chunk_logprobs(head, states, targets, temperature: float, entropy_grad: boo
 
 
 def _completion_states(
-    model: PreTrainedModel, rollout: Rollout, path_of: PreTrainedModel
+    model: PreTrainedModel, rollout: Rollout, path_of: PreTrainedModel, compiled: bool
 ) -> tuple[torch.Tensor, torch.nn.Module]:
     """(states [B, T, H] at the positions that predict each completion token, the module that maps them to
     logits).  The decoder's last hidden states and the output projection where the model's logits are
@@ -127,7 +132,7 @@ def _completion_states(
         return _single_pass(model, rollout, lambda out: out.logits, True), torch.nn.Identity()
     if head_is_linear(model):
         if decoder_pass.supports(path_of):  # Llama, Qwen2: atrctl's own pass, compiled under model.compile
-            states = decoder_pass.update_states(model, rollout, compiled=decoder_pass.is_compiled(path_of))
+            states = decoder_pass.update_states(model, rollout, compiled)
         else:
             states = _completion_outputs(
                 model.get_decoder(), rollout, lambda out: out.last_hidden_state, False, path_of

@@ -86,8 +86,3 @@ def sized_micro_batch(
     if budget is None:
         budget = update_budget(next(model.parameters()).device)
     return max(1, budget // max(1, per_token * tokens_per_row))
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct parameters: tied input and output embeddings count once."""
-    return sum(p.numel() for p in model.parameters())

@@ -44,6 +44,7 @@ class Numerics:
     device: torch.device
     dtype: torch.dtype
     autocast_dtype: torch.dtype | None
+    compiled: bool = False  # the policy's passes run compiled (model.compile, where `decoder_pass.compilable`)
 
     @property
     def autocast_enabled(self) -> bool:

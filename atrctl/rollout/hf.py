@@ -68,6 +68,7 @@ class HFSampler:
                     pad_id=self.pad_id,
                     generator=generator,
                     repeats=repeats,
+                    compiled=self.numerics.compiled,
                 )
         finally:
             self.model.train(was_training)
@@ -336,18 +337,19 @@ def sample(
     pad_id: int,
     generator: torch.Generator | None = None,
     repeats: int = 1,
-    compact: bool = True,
+    compiled: bool = False,
 ) -> Rollout:
     """Sample `repeats` completions per prompt (rows prompt-major), stopping once every row has emitted EOS
     (any of `eos_id`, when it is a list).
 
     A GRPO group shares its prompt, so the prompt's forward pass (the prefill) runs once per distinct
     prompt and its KV cache is copied to the group's rows.  Rows that have ended leave the batch
-    (`COMPACT_AT`; `compact=False` keeps them, for comparison; so does a cache `can_drop_rows` refuses), and
+    (`COMPACT_AT`; a cache `can_drop_rows` refuses keeps them), and
     with them the check that their probabilities are finite.  Same `generator` state, same tokens, with or
     without compaction on CPU (up to the last bits of a matrix product over fewer rows); on CUDA the
     multinomial's draws depend on the batch, so compaction changes the stream, not its distribution.
-    The generator must live on the model's device.
+    The generator must live on the model's device.  `compiled` (model.compile): the prefill and decoding steps
+    run compiled through `decoder_pass`, on a preallocated cache.
     """
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1: raise it")
@@ -364,9 +366,9 @@ def sample(
     completion_ids = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
     cache = preallocated_cache(model, capacity=prompt.shape[1] + max_new_tokens)
-    compact = compact and can_drop_rows(cache)
-    # model.compile: the prefill and decoding steps through decoder_pass, which fill the preallocated buffers
-    compiled = decoder_pass.is_compiled(model) and all(isinstance(layer, Preallocated) for layer in cache.layers)
+    compact = can_drop_rows(cache)
+    # `compiled` (model.compile): the prefill and decoding steps through decoder_pass, filling the preallocated buffers
+    compiled = compiled and all(isinstance(layer, Preallocated) for layer in cache.layers)
     if compiled:  # before the prefill: the buffers take their dtype when it first writes
         store_as = compiled_cache_dtype(device)
         for layer in cache.layers:

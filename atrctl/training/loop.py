@@ -177,7 +177,7 @@ def _loop(
         run_dir.write_samples(step, rows)
         reporters.samples(step, rows)
 
-    def log(record: dict) -> None:
+    def write(record: dict) -> None:
         run_dir.append_metrics(record)
         reporters.log(record)
         if on_step is not None:
@@ -217,7 +217,7 @@ def _loop(
                     show(state.step, rows)
             record["skipped_steps"] = state.skipped_steps
             if main:
-                log(record)
+                write(record)
             if state.bad_steps >= recipe.run.max_bad_steps:
                 checkpoint()
                 raise TrainingStopped(bad_steps_message(run, state))

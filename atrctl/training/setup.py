@@ -5,7 +5,7 @@ the reference, the problems and their prompts, the optimiser and the rollout bac
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,7 @@ import torch
 
 from atrctl.config.schema import Recipe
 from atrctl.model.adapters import add_adapters, lora_settings, store_frozen_base, trained_parameters
-from atrctl.model.decoder_pass import compile_policy
+from atrctl.model.decoder_pass import compilable
 from atrctl.model.numerics import Numerics
 from atrctl.rollout.backend import RolloutBackend
 from atrctl.rollout.prompts import PLAIN, PromptStyle, check_lengths, encode_prompts, model_positions, prompt_style
@@ -98,8 +98,8 @@ def build_run(
         store_frozen_base(model, compute.autocast_dtype)
         model.to(compute.device)
     model.train()
-    if recipe.model.compile:
-        compile_policy(model)
+    if recipe.model.compile and compilable(model):  # the passes then run compiled, as `compute` says
+        compute = replace(compute, compiled=True)
     sampled = model  # what the rollout backend samples: the policy itself, or a full copy of a sharded one
     bf16 = compute.device.type == "cuda" and compute.autocast_enabled  # FSDP gathers in bf16 where it computes so
     if sharded:

@@ -130,16 +130,17 @@ def update_step(
         pieces = lockstep(pieces, minibatches, run.device)
     on_policy, recompute = is_on_policy(algo), recomputes_old_logprobs(algo, run.sampler)
     old_logp = ref_logp = None
+    compiled = run.numerics.compiled
     with clock("logprobs"), torch.no_grad(), run.numerics.autocast():
         if recompute:  # the first mini-batch's own first pass gives its old logprobs (`_optimiser_step`)
-            old_logp = _logprobs(run.model, rollout, pieces[1:], cfg.rollout.temperature)
+            old_logp = _logprobs(run.model, rollout, pieces[1:], cfg.rollout.temperature, compiled=compiled)
         elif not on_policy:
             old_logp = rollout.logprobs  # [rows, T], the backend's own (it says they match)
         if run.reference is not None:
-            ref_logp = _logprobs(run.reference, rollout, pieces, cfg.rollout.temperature, path_of=run.model)
+            ref_logp = _logprobs(run.reference, rollout, pieces, cfg.rollout.temperature, run.model, compiled)
         elif algo.beta > 0:  # LoRA: the reference is the policy's base, its adapters off
             with reference_pass(run.adapters):
-                ref_logp = _logprobs(run.model, rollout, pieces, cfg.rollout.temperature)
+                ref_logp = _logprobs(run.model, rollout, pieces, cfg.rollout.temperature, compiled=compiled)
     for module in (run.model, run.reference):  # FSDP keeps a root gathered after a pass without backward
         if module is not None and is_sharded(module):
             module.reshard()
@@ -223,7 +224,7 @@ def _accumulate(
         width = sub.completion_ids.shape[1]
         with run.numerics.autocast():  # logp, entropy: [micro rows, width] float32
             logp, entropy = completion_logprobs_and_entropy(
-                run.model, sub, cfg.rollout.temperature, entropy_grad=bool(algo.entropy_coef)
+                run.model, sub, cfg.rollout.temperature, bool(algo.entropy_coef), compiled=run.numerics.compiled
             )
         if idle:  # a sharded model's pass that keeps the ranks in step: its backward adds zeros
             (logp.sum() * 0.0).backward()
@@ -290,7 +291,9 @@ def _fill_old_logprobs(run: Run, rollout: Rollout, pieces: list[torch.Tensor], o
     loss left them unwritten, and the weights are still the sampling ones (its step is dropped)."""
     if pieces:
         with torch.no_grad(), run.numerics.autocast():
-            filled = _logprobs(run.model, rollout, [pieces], run.recipe.rollout.temperature)
+            filled = _logprobs(
+                run.model, rollout, [pieces], run.recipe.rollout.temperature, compiled=run.numerics.compiled
+            )
         where = torch.cat(list(pieces))
         old_logp[where] = filled[where]
 
@@ -301,12 +304,13 @@ def _logprobs(
     pieces: list[list[torch.Tensor]],
     temperature: float,
     path_of: torch.nn.Module | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """No-grad logprobs [rows, T] of the rows the update trains on, in its micro-batches; 0 elsewhere; through
-    the pass of `path_of` (the policy, for its reference) where given."""
+    the pass of `path_of` (the policy, for its reference) where given, compiled where the policy's is."""
     out = torch.zeros_like(rollout.logprobs)
     for where in (where for micro in pieces for where in micro):
-        logp = completion_logprobs(model, trimmed(rows(rollout, pass_rows(where))), temperature, path_of=path_of)
+        logp = completion_logprobs(model, trimmed(rows(rollout, pass_rows(where))), temperature, path_of, compiled)
         if not isinstance(where, Idle):
             out[where, : logp.shape[1]] = logp
     return out

@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 
 from atrctl.errors import UserError
 from atrctl.model import decoder_pass, forward
-from atrctl.model.decoder_pass import compile_policy, decoder_inputs, decoder_states, rotary, supports
+from atrctl.model.decoder_pass import compilable, decoder_inputs, decoder_states, rotary, supports
 from atrctl.model.forward import completion_logprobs_and_entropy
 from atrctl.training.sharding import check_can_shard
 
@@ -122,9 +122,8 @@ def test_models_it_does_not_reproduce_are_refused_and_train_eagerly(caplog):
         assert not supports(model), name
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="atrctl"):
-            assert not compile_policy(model)
+            assert not compilable(model)
         assert "it runs eagerly" in caplog.text, name
-        assert not decoder_pass.is_compiled(model), name
 
 
 def test_compile_with_fsdp_fails_before_any_work():
@@ -155,15 +154,17 @@ def test_micro_batches_with_a_size_of_one_run_the_same_function_eagerly(monkeypa
     """Sizes 0 and 1 would each compile again: one row, one prompt, a one-token prompt, two-token completions."""
     counter = counting_compiler(monkeypatch, "states", decoder_states, "eager")
     model = small_model("llama")
-    assert compile_policy(model)
+    assert compilable(model)
     for shape in [dict(groups=1, group=4), dict(groups=1, group=1), dict(groups=1, group=3, prompt=1),
                   dict(groups=2, group=3, completion=2)]:  # fmt: skip
         rollout = group_rollout(seed=5, **shape)
         want = values_and_gradients(lambda r=rollout: transformers_logprobs(model, r), model, rollout)
-        got = values_and_gradients(lambda r=rollout: completion_logprobs_and_entropy(model, r), model, rollout)
+        got = values_and_gradients(
+            lambda r=rollout: completion_logprobs_and_entropy(model, r, compiled=True), model, rollout
+        )
         torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     assert counter.frame_count == 0
-    completion_logprobs_and_entropy(model, group_rollout(seed=5))  # every size >= 2: compiled
+    completion_logprobs_and_entropy(model, group_rollout(seed=5), compiled=True)  # every size >= 2: compiled
     assert counter.frame_count >= 1
 
 
@@ -175,7 +176,7 @@ def test_one_inductor_compilation_serves_every_micro_batch_shape_with_the_eager_
     model = small_model("qwen2")
     model.get_decoder().layers = model.get_decoder().layers[:1]  # one layer compiles in half the time
     model.config.num_hidden_layers = 1
-    assert compile_policy(model)
+    assert compilable(model)
     compiled = []  # frames compiled after each shape (the first shape's include an empty one)
     # the first shape's 12 rows equal head_dim (48 / 4): under torch's duck sizing they shared a symbol, and
     # the second shape compiled again
@@ -184,7 +185,9 @@ def test_one_inductor_compilation_serves_every_micro_batch_shape_with_the_eager_
                                   dict(groups=4, group=2, prompt=7, completion=14)]):  # fmt: skip
         rollout = group_rollout(seed=seed, **shape)
         want = values_and_gradients(lambda r=rollout: transformers_logprobs(model, r), model, rollout)
-        got = values_and_gradients(lambda r=rollout: completion_logprobs_and_entropy(model, r), model, rollout)
+        got = values_and_gradients(
+            lambda r=rollout: completion_logprobs_and_entropy(model, r, compiled=True), model, rollout
+        )
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
         for name, grad in want[2].items():  # fused kernels sum in another order: relative to the tensor's scale
@@ -197,7 +200,7 @@ def test_one_inductor_compilation_serves_every_micro_batch_shape_with_the_eager_
     monkeypatch.setattr(decoder_pass, "SUMMED_ATTENTION_MAX", 0)
     rollout = group_rollout(seed=3, groups=2, group=3, prompt=5, completion=6)
     want = values_and_gradients(lambda: transformers_logprobs(model, rollout), model, rollout)
-    got = values_and_gradients(lambda: completion_logprobs_and_entropy(model, rollout), model, rollout)
+    got = values_and_gradients(lambda: completion_logprobs_and_entropy(model, rollout, compiled=True), model, rollout)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     for name, grad in want[2].items():
         assert (got[2][name] - grad).abs().max() / grad.abs().max() < 1e-5, name
@@ -273,13 +276,13 @@ def test_compiled_sampling_draws_the_eager_tokens_while_rows_leave_the_batch(mon
         model.lm_head.weight[7] += 0.3  # token 7 (the EOS here) gets likelier: rows end at different steps
     prompts = [[5, 6, 8, 9], [10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
 
-    def rollout():
+    def rollout(compiled: bool):
         return sample(model, prompts, max_new_tokens=24, eos_id=7, pad_id=0, repeats=4,
-                      generator=torch.Generator().manual_seed(0))  # fmt: skip
+                      generator=torch.Generator().manual_seed(0), compiled=compiled)  # fmt: skip
 
-    eager = rollout()
-    assert compile_policy(model)
-    compiled = rollout()
+    eager = rollout(compiled=False)
+    assert compilable(model)
+    compiled = rollout(compiled=True)
     lengths = eager.completion_mask.sum(1)
     assert lengths.min() < lengths.max() and lengths.min() < 24  # rows did end at different steps
     assert torch.equal(compiled.completion_ids, eager.completion_ids)
@@ -296,7 +299,7 @@ def test_under_bf16_the_compiled_sampler_keeps_its_cache_in_bf16_and_draws_what_
     model = small_model("qwen2").eval()
     with torch.no_grad():
         model.lm_head.weight[7] += 0.3  # token 7 (the EOS here) gets likelier: rows end at different steps
-    assert compile_policy(model)
+    assert compilable(model)
     caches, preallocated = [], sampling.preallocated_cache
 
     def recorded_cache(*args, **kwargs):
@@ -309,7 +312,7 @@ def test_under_bf16_the_compiled_sampler_keeps_its_cache_in_bf16_and_draws_what_
     def rollout():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return sampling.sample(model, prompts, max_new_tokens=24, eos_id=7, pad_id=0, repeats=4,
-                                   generator=torch.Generator().manual_seed(0))  # fmt: skip
+                                   generator=torch.Generator().manual_seed(0), compiled=True)  # fmt: skip
 
     stored = rollout()
     assert {layer.key_buffer.dtype for layer in caches[-1].layers} == {torch.bfloat16}
@@ -335,13 +338,13 @@ def compiled_equals_eager(device: str) -> None:
 
     torch._dynamo.reset()
     eager, compiled = small_model("qwen2").to(device), small_model("qwen2").to(device)
-    assert compile_policy(compiled)
+    assert compilable(compiled)
     rollout = group_rollout(seed=8)
     rollout = type(rollout)(*(getattr(rollout, f).to(device) for f in rollout.__dataclass_fields__))
 
     def values_and_gradients(model):
         model.zero_grad(set_to_none=True)
-        logp, entropy = completion_logprobs_and_entropy(model, rollout)
+        logp, entropy = completion_logprobs_and_entropy(model, rollout, compiled=model is compiled)
         weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(7)).to(device)
         ((logp * weights).sum() + entropy.sum()).backward()
         return logp.detach(), {name: p.grad for name, p in model.named_parameters()}
@@ -352,8 +355,8 @@ def compiled_equals_eager(device: str) -> None:
         error = (got_grads[name] - grad).abs().max() / grad.abs().max()
         assert error < 1e-4, f"{name}: max |difference| is {error:.2e} of max |gradient|"
     prompts = [[5, 6, 8, 9], [10, 11], [12, 13, 14]]
-    greedy = [sample(model.eval(), prompts, max_new_tokens=16, greedy=True, eos_id=7, pad_id=0, repeats=2)
-              for model in (eager, compiled)]  # fmt: skip
+    greedy = [sample(model.eval(), prompts, max_new_tokens=16, greedy=True, eos_id=7, pad_id=0, repeats=2,
+                     compiled=model is compiled) for model in (eager, compiled)]  # fmt: skip
     assert torch.equal(greedy[1].completion_ids, greedy[0].completion_ids)  # argmax: no draw to differ in
     torch.testing.assert_close(greedy[1].logprobs, greedy[0].logprobs, atol=1e-4, rtol=1e-4)
 
