@@ -310,7 +310,8 @@ def _logprobs(
     the pass of `path_of` (the policy, for its reference) where given, compiled where the policy's is."""
     out = torch.zeros_like(rollout.logprobs)
     for where in (where for micro in pieces for where in micro):
-        logp = completion_logprobs(model, trimmed(rows(rollout, pass_rows(where))), temperature, path_of, compiled)
+        rows_here = trimmed(rows(rollout, pass_rows(where)))
+        logp = completion_logprobs(model, rows_here, temperature, path_of=path_of, compiled=compiled)
         if not isinstance(where, Idle):
             out[where, : logp.shape[1]] = logp
     return out
