@@ -45,15 +45,10 @@ def compare(
     results: ResultsOption = Path("results"),
 ) -> None:
     """Train and evaluate several algorithms side by side (e.g. `atrctl compare grpo atr`)."""
-    import shlex
-
-    from atrctl.cli import display
-    from atrctl.config.loading import load_recipe
+    from atrctl.cli import tables
     from atrctl.experiments.compare import plan_comparison
 
-    display.quiet_libraries()
-    sets = [*([f"run.steps={steps}"] if steps is not None else []), *report_to_sets(report_to), *(set_ or [])]
-    config = load_recipe(recipe, sets)
+    config, command = _set_up(ctx, recipe, steps, report_to, set_)
     comparison = plan_comparison(
         arms,
         seeds=seeds,
@@ -68,18 +63,30 @@ def compare(
         overwrite=overwrite,
         results=results,
     )
-    command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
-    _run_and_show(comparison, display.compare_table, n=n, problems=problems, jobs=jobs, results=results,
+    _run_and_show(comparison, tables.compare_table, n=n, problems=problems, jobs=jobs, results=results,
                   command=command)  # fmt: skip
+
+
+def _set_up(ctx: typer.Context, recipe, steps: int | None, report_to, set_) -> tuple:
+    """What compare and sweep both start from: the shared recipe with the flags applied, and the command as
+    typed (for the report)."""
+    import shlex
+
+    from atrctl.cli import display
+    from atrctl.config.loading import load_recipe
+
+    display.quiet_libraries()
+    sets = [*([f"run.steps={steps}"] if steps is not None else []), *report_to_sets(report_to), *(set_ or [])]
+    return load_recipe(recipe, sets), " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
 
 
 def _run_and_show(comparison, table, report=None, **options) -> None:
     """`run_comparison` under progress bars, then its table and where the report is; Ctrl-C says how to resume."""
-    from atrctl.cli import display
+    from atrctl.cli import progress
     from atrctl.experiments.compare import run_comparison
 
     try:
-        with display.phase_bars() as advance:
+        with progress.phase_bars() as advance:
             rows, ks = run_comparison(comparison, advance=advance, report=report, **options)
     except KeyboardInterrupt:
         stderr.print(f"interrupted: rerun the same command without --overwrite to resume the runs in "
@@ -118,23 +125,17 @@ def sweep(
 ) -> None:
     """Train LOSS at every grid point (and the --vs arms) from one base and compare them (e.g.
     `atrctl sweep atr --grid max_kl3=0.02,0.05,0.1,0.2 --vs grpo`)."""
-    import shlex
-
-    from atrctl.cli import display
-    from atrctl.config.loading import load_recipe
+    from atrctl.cli import tables
     from atrctl.experiments.sweep import plan_sweep
     from atrctl.experiments.sweep_report import write_sweep_report
 
-    display.quiet_libraries()
-    sets = [*([f"run.steps={steps}"] if steps is not None else []), *report_to_sets(report_to), *(set_ or [])]
-    config = load_recipe(recipe, sets)
+    config, command = _set_up(ctx, recipe, steps, report_to, set_)
     planned = plan_sweep(
         loss, grid, vs or [], seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=config, max_kl3=max_kl3,
         eps=eps, eps_high=eps_high, name=name, overwrite=overwrite, results=results,
     )  # fmt: skip
-    command = " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
     report = lambda comparison, evaluations, ks, text, seconds: write_sweep_report(  # noqa: E731
         planned, evaluations, ks, text, seconds
     )
-    _run_and_show(planned.comparison, display.sweep_results_table, report, n=n, problems=problems, jobs=jobs,
+    _run_and_show(planned.comparison, tables.sweep_results_table, report, n=n, problems=problems, jobs=jobs,
                   results=results, command=command)  # fmt: skip

@@ -71,7 +71,7 @@ def eval_command(
     """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy: table, CSV, markdown and plot.
 
     Under torchrun (or --nproc) each process samples a share of the problems; rank 0 alone writes and prints."""
-    from atrctl.cli import display
+    from atrctl.cli import display, progress, tables
     from atrctl.config.loading import parse_task_args
     from atrctl.experiments.evaluation import eval_target, parse_ks, run_evaluation
     from atrctl.runtime import distributed
@@ -119,7 +119,7 @@ def eval_command(
         top_p=top_p,
         keep=keep,
     )
-    with display.sampling_bar(problems) if distributed.is_main() else nullcontext() as on_progress:
+    with progress.sampling_bar(problems) if distributed.is_main() else nullcontext() as on_progress:
         done = run_evaluation(spec, target, **settings, on_progress=on_progress)
     if done is None:  # a rank other than 0: rank 0 prints
         return
@@ -128,7 +128,7 @@ def eval_command(
         from atrctl.training.trackers import report_evaluation
 
         report_evaluation(reported, spec.directory / "passk.csv")
-    console.print(display.passk_table(result.summary(ks), ks, f"pass@k: {setting}"))
+    console.print(tables.passk_table(result.summary(ks), ks, f"pass@k: {setting}"))
     console.print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -24,7 +24,7 @@ def plot_bounds(
     fmt: Annotated[FigureFormat | None, typer.Option("--format", help="Figure format.")] = None,
 ) -> None:
     """Show the ratio interval each divergence constraint implies: table, CSV and figure."""
-    from atrctl.cli import display
+    from atrctl.cli import tables
     from atrctl.core.divergence import MAX_KL3, MIN_KL3
 
     for delta in max_kl3:
@@ -39,8 +39,8 @@ def plot_bounds(
     figure_path = bounds_table.figure_path(out, fmt and fmt.value, max_kl3)
 
     methods, sweep = bounds_table.method_rows(max_kl3, eps, eps_high), bounds_table.sweep_rows()
-    console.print(display.methods_table(methods))
-    console.print(display.sweep_table(sweep))
+    console.print(tables.methods_table(methods))
+    console.print(tables.sweep_table(sweep))
     try:
         csv_path = bounds_table.write_bounds(figure_path, max_kl3, eps, methods, sweep)
     except OSError as error:

@@ -35,7 +35,7 @@ def warmup(
     results: Annotated[Path, typer.Option(help="Results folder; bases live in <results>/bases/.")] = Path("results"),
 ) -> None:
     """Build (or reuse) the warmed-up base model of a recipe and report its held-out greedy accuracy."""
-    from atrctl.cli import display
+    from atrctl.cli import display, progress
     from atrctl.config.loading import load_recipe
     from atrctl.model.loading import PRESETS
     from atrctl.training.base_cache import base_key, ensure_base
@@ -51,7 +51,7 @@ def warmup(
     from atrctl.training.checks import check_before_warmup
 
     check_before_warmup(config)  # what training this recipe would refuse, refused before its base is warmed up
-    with display.warmup_bar(config.warmup.max_steps) as on_progress:
+    with progress.warmup_bar(config.warmup.max_steps) as on_progress:
         path, info = ensure_base(config, results, on_progress)
     console.print(
         f"base {base_key(config)}: held-out greedy accuracy {info['accuracy']:.1%} "
@@ -90,7 +90,7 @@ def train(
     nproc: NprocOption = None,
 ) -> None:
     """Train a policy with GRPO, ATR-GRPO or another registered loss."""
-    from atrctl.cli import display
+    from atrctl.cli import display, progress
     from atrctl.config.loading import load_recipe_with_flags
     from atrctl.runtime import distributed
     from atrctl.training.rundir import RunDir, check_name, default_run_name
@@ -131,7 +131,7 @@ def train(
     if nproc is not None and nproc > 1:
         raise typer.Exit(distributed.relaunch(nproc, ctx.obj))
     # under torchrun only rank 0 shows and reports; the others train silently
-    shown = display.training_bars(config.algo.loss, config.run.steps, config.warmup.max_steps)
+    shown = progress.training_bars(config.algo.loss, config.run.steps, config.warmup.max_steps)
     started = time.time_ns()
     try:
         with shown if main_rank else nullcontext((None, None)) as (on_warmup, on_step):

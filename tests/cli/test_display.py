@@ -6,7 +6,7 @@ import time
 import pytest
 from rich.console import Console
 
-from atrctl.cli import display
+from atrctl.cli import progress
 from atrctl.errors import UserError
 
 
@@ -17,9 +17,9 @@ def lines_of(out: io.StringIO) -> list[str]:
 def test_the_remaining_time_is_the_rate_since_the_first_update(monkeypatch):
     """A run resumed at step 500 of 1000: its earlier steps are not part of the rate."""
     clock = iter([0.0, 0.0, 0.0, 10.0, 10.0, 20.0, 20.0, 20.0])
-    monkeypatch.setattr(display.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
     out = io.StringIO()
-    with display.PlainProgress(console=Console(file=out), interval=0) as bars:
+    with progress.PlainProgress(console=Console(file=out), interval=0) as bars:
         bar = bars.add_task("train atr", total=1000, status="")
         bars.update(bar, completed=500)
         bars.update(bar, completed=501)  # one step in 10 s: 499 left
@@ -33,7 +33,7 @@ def test_the_remaining_time_is_the_rate_since_the_first_update(monkeypatch):
 def test_a_heartbeat_line_comes_without_updates():
     """A long step updates nothing: the timer still writes the bar's line every interval."""
     out = io.StringIO()
-    with display.PlainProgress(console=Console(file=out), interval=0.05) as bars:
+    with progress.PlainProgress(console=Console(file=out), interval=0.05) as bars:
         bar = bars.add_task("train atr", total=3, status="")
         bars.update(bar, completed=1)
         deadline = time.monotonic() + 5
@@ -49,16 +49,16 @@ def test_a_heartbeat_line_comes_without_updates():
 def test_a_bad_interval_is_one_line(monkeypatch, value):
     monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", value)
     with pytest.raises(UserError, match="ATRCTL_PROGRESS_SECONDS must be a number of seconds >= 0"):
-        display.progress_interval()
+        progress.progress_interval()
 
 
 def test_a_phase_whose_total_shrinks_to_what_is_done_ends_and_stops_beating(monkeypatch):
     """compare's warm-up bar: the warm-up stopped at its target (400 of at most 3000 steps), so its total
     becomes 400; the line says 400/400 and the heartbeat writes it no more while the next phase runs."""
     out = io.StringIO()
-    monkeypatch.setattr(display, "console", Console(file=out))  # not a terminal: plain lines
+    monkeypatch.setattr(progress, "console", Console(file=out))  # not a terminal: plain lines
     monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", "0.02")
-    with display.phase_bars() as advance:
+    with progress.phase_bars() as advance:
         advance("warmup", "warm-up base", 399, 3000, "loss 0.700")
         advance("warmup", "warm-up base", 400, 400, "loss 0.664")
         ended = len(lines_of(out))

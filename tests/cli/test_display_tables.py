@@ -3,7 +3,7 @@
 import io
 import re
 
-from atrctl.cli import display
+from atrctl.cli import display, tables
 
 KS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CELL = re.compile(r"-?\d\.\d{3,4} \[-?\d\.\d{3,4}, -?\d\.\d{3,4}\]")
@@ -29,7 +29,7 @@ def compare_rows() -> list[dict]:
 
 
 def test_compare_table_cells_stay_on_one_line_in_a_log(monkeypatch):
-    text = piped_output(monkeypatch, display.compare_table(compare_rows(), KS))
+    text = piped_output(monkeypatch, tables.compare_table(compare_rows(), KS))
     cells = CELL.findall(text)
     assert len(cells) == 3 * (len(KS) + 2)  # every figure with its whole interval, none wrapped or cut
     assert len(text.splitlines()) <= 10  # title, header, three rows, borders: no row spans several lines
@@ -43,7 +43,7 @@ def test_sweep_table_cells_stay_on_one_line_in_a_log(monkeypatch):
         for column in columns:
             row[column], row[f"{column} low"], row[f"{column} high"] = 0.7123, 0.6812, 0.7391
         rows.append(row)
-    text = piped_output(monkeypatch, display.sweep_results_table(rows, [1, 256]))
+    text = piped_output(monkeypatch, tables.sweep_results_table(rows, [1, 256]))
     assert len(CELL.findall(text)) == 4 * len(columns)
     assert len(text.splitlines()) <= 4 + 4 + 2
 
@@ -53,6 +53,6 @@ def test_eval_table_cells_stay_on_one_line_in_a_log(monkeypatch):
     for k in KS:
         summary[f"pass@{k}"], summary[f"pass@{k}/low"], summary[f"pass@{k}/high"] = 0.7001, 0.6812, 0.7194
         summary[f"maj@{k}"] = 0.8
-    text = piped_output(monkeypatch, display.passk_table(summary, KS, "pass@k: results/compare-grpo-atr/runs/atr-s0"))
+    text = piped_output(monkeypatch, tables.passk_table(summary, KS, "pass@k: results/compare-grpo-atr/runs/atr-s0"))
     assert len(re.findall(r"\[0\.6812, 0\.7194\]", text)) == len(KS)
     assert "entropy 0.4100 nats/token" in text  # the caption on one line too
