@@ -223,6 +223,20 @@ def compiled_cache_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
+def _prefill(model: PreTrainedModel, prompt_ids, prompt_mask, positions, cache) -> torch.Tensor:
+    """The prompts' pass through transformers' forward, filling `cache`: the last position's logits [D, V]."""
+    return model(
+        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache, logits_to_keep=1
+    ).logits[:, -1]
+
+
+def _decode(model: PreTrainedModel, token, positions, mask, cache) -> torch.Tensor:
+    """One decoding step through transformers' forward, appending to `cache`: the new logits [B, V]."""
+    return model(
+        input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1
+    ).logits[:, -1]
+
+
 def _prefill_on_buffers(model: PreTrainedModel, prompt_ids, prompt_mask, positions, cache) -> torch.Tensor:
     """The prompts' pass through `decoder_pass.prefill` (compiled): its keys and values written into the
     cache here; the last position's logits [D, V]."""
@@ -367,20 +381,17 @@ def sample(
     logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
     cache = preallocated_cache(model, capacity=prompt.shape[1] + max_new_tokens)
     compact = can_drop_rows(cache)
-    # `compiled` (model.compile): the prefill and decoding steps through decoder_pass, filling the preallocated buffers
     compiled = compiled and all(isinstance(layer, Preallocated) for layer in cache.layers)
-    if compiled:  # before the prefill: the buffers take their dtype when it first writes
+    if compiled:  # model.compile: the prefill and decoding steps through decoder_pass, filling the preallocated buffers
         store_as = compiled_cache_dtype(device)
-        for layer in cache.layers:
+        for layer in cache.layers:  # before the prefill: the buffers take their dtype when it first writes
             layer.store_as = store_as
+        prefill, decode = _prefill_on_buffers, _decode_on_buffers
+    else:
+        prefill, decode = _prefill, _decode
     with _without_grad(device, compiled), decode_attention(model):
         positions = position_ids(distinct_mask)
-        if compiled:
-            logits = _prefill_on_buffers(model, distinct, distinct_mask, positions, cache)
-        else:
-            logits = model(
-                input_ids=distinct, attention_mask=distinct_mask, position_ids=positions, cache=cache, logits_to_keep=1
-            ).logits[:, -1]
+        logits = prefill(model, distinct, distinct_mask, positions, cache)
         if repeats > 1:
             cache.batch_repeat_interleave(repeats)
             positions, logits = positions.repeat_interleave(repeats, dim=0), logits.repeat_interleave(repeats, dim=0)
@@ -402,12 +413,7 @@ def sample(
                 done = done[keep]
             mask = torch.cat([mask, torch.ones_like(done[:, None], dtype=mask.dtype)], dim=-1)
             positions = positions[:, -1:] + 1
-            if compiled:
-                logits = _decode_on_buffers(model, token, positions, mask, cache)
-            else:
-                logits = model(
-                    input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1
-                ).logits[:, -1]
+            logits = decode(model, token, positions, mask, cache)
 
     completion_ids, logprobs = completion_ids[:, :produced], logprobs[:, :produced]
     is_eos = torch.isin(completion_ids, stops).long()
