@@ -27,15 +27,19 @@ from atrctl.training.step import rollout_step, update_step  # noqa: E402
 def crafted_update(results: Path, shard: str, *overrides: str) -> dict | None:
     """Build the run, sample step 0, update on the crafted advantages: rank 0's gathered weights, finite, loss."""
     with distributed.process_group(torch.device("cpu")):
-        run = build_run(test_sharding.recipe(f"model.shard={shard}", *overrides), results / "unused", results)
-        rollout, rewards, _ = rollout_step(run, 0)
-        group = rewards.shape[1]
-        sample = torch.arange(rewards.numel()) % group  # rows are prompt-major: row i is sample i % G of its prompt
-        advantages = torch.where(sample % 2 == 0, 1.0, -1.0)
-        advantages[parts(rewards.numel(), run.recipe.algo.minibatches)[0]] = 0.0  # the first mini-batch: nothing
-        metrics, finite = update_step(run, rollout, advantages, 0)
-        weights = {name: full_tensor(p.detach()).clone() for name, p in run.model.named_parameters()}
-        return {"weights": weights, "finite": finite, "loss": metrics.get("loss")} if distributed.is_main() else None
+        return _update(results, shard, *overrides)  # the run is dropped before the group is destroyed
+
+
+def _update(results: Path, shard: str, *overrides: str) -> dict | None:
+    run = build_run(test_sharding.recipe(f"model.shard={shard}", *overrides), results / "unused", results)
+    rollout, rewards, _ = rollout_step(run, 0)
+    group = rewards.shape[1]
+    sample = torch.arange(rewards.numel()) % group  # rows are prompt-major: row i is sample i % G of its prompt
+    advantages = torch.where(sample % 2 == 0, 1.0, -1.0)
+    advantages[parts(rewards.numel(), run.recipe.algo.minibatches)[0]] = 0.0  # the first mini-batch: nothing
+    metrics, finite = update_step(run, rollout, advantages, 0)
+    weights = {name: full_tensor(p.detach()).clone() for name, p in run.model.named_parameters()}
+    return {"weights": weights, "finite": finite, "loss": metrics.get("loss")} if distributed.is_main() else None
 
 
 if __name__ == "__main__":
