@@ -8,6 +8,8 @@ completion tokens are projected to the vocabulary, a chunk at a time (`selective
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from atrctl.model import decoder_pass
 from atrctl.model.batch import Rollout, equal_runs, position_ids
+from atrctl.model.loading import is_checkpointing
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -146,7 +149,7 @@ def _shares_prefix(model: PreTrainedModel) -> bool:
     Activation checkpointing turns the cache off, so such a model, and a reference following its pass, takes the
     single pass: the two layouts round differently (a reference on the other one gave bf16 logprobs 1e-3
     apart from its policy's at equal weights, seen with PyTorch's AVX2 kernels)."""
-    return not getattr(model, "is_activation_checkpointing", False)
+    return not is_checkpointing(model)
 
 
 def _through_root(model: PreTrainedModel):
@@ -227,7 +230,7 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool, layout_of=N
             input_ids=prompt[first_rows],
             attention_mask=prompt_mask[first_rows],
             position_ids=positions[first_rows, :width],
-            cache=cache,
+            **cache_argument(module, cache),
             **keep(1),
         )
     )[:, -1]
@@ -242,13 +245,26 @@ def _completion_outputs(module, rollout: Rollout, pick, is_lm: bool, layout_of=N
                     input_ids=completion[:, :-1],
                     attention_mask=mask[:, :end],
                     position_ids=positions[:, width:end],
-                    cache=cache,
+                    **cache_argument(module, cache),
                 )
             )
         )
         if cache.get_seq_length() != end:  # the model ignored the cache (e.g. checkpointing we did not detect)
             return single_pass()
     return torch.cat(outputs, dim=1)
+
+
+def cache_argument(model, cache) -> dict:
+    """`{name: cache}` for a transformers forward call.  The KV cache's keyword is `cache` since transformers
+    5.20 and `past_key_values` before; a keyword the forward does not take lands in its **kwargs and is
+    ignored without a word, which under 5.19 left every decoding step without its context."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    return {_cache_keyword(type(decoder).forward): cache}
+
+
+@functools.cache
+def _cache_keyword(forward) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def _single_pass(module, rollout: Rollout, pick, is_lm: bool) -> torch.Tensor:

@@ -175,6 +175,20 @@ def _local_or_hub(name: str) -> str:
     return name
 
 
+def enable_checkpointing(model) -> None:
+    """Turn on activation checkpointing (non-reentrant): `activation_checkpointing_enable` since transformers
+    5.20, `gradient_checkpointing_enable` before."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+
+
+def is_checkpointing(model) -> bool:
+    """Whether activation checkpointing is on (it walks the modules: ask once).  Read under both of
+    transformers' names: asked by a name the installed version lacks, it would always say no."""
+    now = getattr(model, "is_activation_checkpointing", None)
+    return bool(now if now is not None else getattr(model, "is_gradient_checkpointing", False))
+
+
 def is_sharded(model) -> bool:
     """Whether `model` is an FSDP2-sharded module (`sharding.shard_model`): a fact about the model, which the
     forward pass, checkpoints and the update each ask."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from atrctl.model.loading import is_checkpointing
+
 if TYPE_CHECKING:
     import torch
 
@@ -69,7 +71,7 @@ def activation_bytes_per_token(model: torch.nn.Module, tokens_per_row: int, chec
     width = getattr(config, "intermediate_size", None) or 4 * hidden
     layer = 10 * hidden + 6 * width + 2 * config.num_attention_heads * tokens_per_row
     if checkpointing is None:
-        checkpointing = getattr(model, "is_activation_checkpointing", False)
+        checkpointing = is_checkpointing(model)
     if checkpointing:
         return 4 * (layers * hidden + layer)
     return 4 * layers * layer

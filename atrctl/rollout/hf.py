@@ -15,6 +15,7 @@ import torch
 from atrctl.errors import UserError
 from atrctl.model import decoder_pass
 from atrctl.model.batch import Rollout, left_pad, position_ids
+from atrctl.model.forward import cache_argument
 from atrctl.rollout.backend import NonFiniteProbabilities
 
 if TYPE_CHECKING:
@@ -226,14 +227,22 @@ def compiled_cache_dtype(device: torch.device) -> torch.dtype | None:
 def _prefill(model: PreTrainedModel, prompt_ids, prompt_mask, positions, cache) -> torch.Tensor:
     """The prompts' pass through transformers' forward, filling `cache`: the last position's logits [D, V]."""
     return model(
-        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache, logits_to_keep=1
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=positions,
+        logits_to_keep=1,
+        **cache_argument(model, cache),
     ).logits[:, -1]
 
 
 def _decode(model: PreTrainedModel, token, positions, mask, cache) -> torch.Tensor:
     """One decoding step through transformers' forward, appending to `cache`: the new logits [B, V]."""
     return model(
-        input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1
+        input_ids=token[:, None],
+        attention_mask=mask,
+        position_ids=positions,
+        logits_to_keep=1,
+        **cache_argument(model, cache),
     ).logits[:, -1]
 
 

@@ -9,6 +9,7 @@ import torch
 
 from atrctl.config.schema import AlgoConfig
 from atrctl.model.batch import Rollout
+from atrctl.model.loading import is_checkpointing
 from atrctl.model.memory import sized_micro_batch, update_budget
 from atrctl.runtime import distributed
 from atrctl.training.batching import micro_batches, rows, trimmed
@@ -28,7 +29,7 @@ def cut_micro_batches(model: torch.nn.Module, rollout: Rollout, trained: torch.T
     if algo.micro_batch or not len(trained):
         return micro_batches(trained, algo.micro_batch, lengths)
     prompt_width = trimmed(rows(rollout, trained)).prompt_ids.shape[1]
-    checkpointing = getattr(model, "is_activation_checkpointing", False)  # asked once: it walks the modules
+    checkpointing = is_checkpointing(model)  # asked once: it walks the modules
     device = next(model.parameters()).device
     budget = update_budget(device)
 

@@ -65,7 +65,7 @@ def build_run(
     results: Path,
     on_warmup: Callable[[int, int, float, float | None], None] | None = None,
 ) -> Run:
-    from atrctl.model.loading import load_model
+    from atrctl.model.loading import enable_checkpointing, load_model
     from atrctl.model.memory import sized_batch
     from atrctl.model.numerics import numerics, resolve_device, resolve_dtype
     from atrctl.rollout.backend import rollout_backend
@@ -92,7 +92,7 @@ def build_run(
     width = getattr(model.config, "hidden_size", None)
     compute = numerics(resolve_device(recipe.model.device), policy=recipe.model.autocast, width=width)
     if recipe.model.gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        enable_checkpointing(model)
     adapters = add_adapters(model, lora, recipe.run.seed) if lora else None  # injected into `model` in place
     if adapters is not None:  # under bf16 autocast a bf16-valued base is stored so: the same numbers, half its bytes
         store_frozen_base(model, compute.autocast_dtype)

@@ -12,7 +12,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from atrctl.errors import UserError
 from atrctl.model import decoder_pass, forward
 from atrctl.model.decoder_pass import compilable, decoder_inputs, decoder_states, rotary, supports
-from atrctl.model.forward import completion_logprobs_and_entropy
+from atrctl.model.forward import cache_argument, completion_logprobs_and_entropy
+from atrctl.model.loading import enable_checkpointing
 from atrctl.training.sharding import check_can_shard
 
 
@@ -106,7 +107,7 @@ def unsupported_models():
     shape = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     sliding = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=4))
     checkpointed = small_model("llama")
-    checkpointed.activation_checkpointing_enable({"use_reentrant": False})
+    enable_checkpointing(checkpointed)
     dynamic_rope = small_model("llama")
     dynamic_rope.get_decoder().rotary_emb.rope_type = "dynamic"  # its table changes with the sequence length
     dropout = small_model("llama")
@@ -218,11 +219,13 @@ def transformers_step(model, prompt_ids, prompt_mask, token):
     cache = preallocated_cache(model, prompt_ids.shape[1] + 2)
     positions = forward.position_ids(prompt_mask)
     with torch.no_grad(), decode_attention(model):
-        model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache)
+        model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, **cache_argument(model, cache))
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         mask = torch.cat([prompt_mask, torch.ones_like(prompt_mask[:, :1])], dim=1)
         step = positions[:, -1:] + 1
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=step, cache=cache).logits[:, -1]
+        logits = model(
+            input_ids=token[:, None], attention_mask=mask, position_ids=step, **cache_argument(model, cache)
+        ).logits[:, -1]
     after = [(layer.keys, layer.values) for layer in cache.layers]
     return logits, before, after, mask, step
 
@@ -237,7 +240,9 @@ def test_the_prefill_equals_transformers_prefill_on_left_padded_prompts(arch, at
     positions = forward.position_ids(prompt_mask)
     cache = preallocated_cache(model, prompt_ids.shape[1])
     with torch.no_grad():
-        want = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, cache=cache).logits
+        want = model(
+            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, **cache_argument(model, cache)
+        ).logits
         rope = rotary(model.get_decoder(), positions, below=prompt_ids.shape[1])
         got, keys, values = decoder_pass.prefill(model, prompt_ids, rope, decoder_pass.causal_mask(prompt_mask))
     torch.testing.assert_close(got, want[:, -1], atol=1e-5, rtol=1e-5)
@@ -367,7 +372,7 @@ def test_a_reference_following_a_checkpointing_policy_takes_its_single_pass(monk
     two layouts gave bf16 logprobs 1e-3 apart at equal weights, which the test below caught there only)."""
     policy, rollout = small_model("llama"), group_rollout(seed=5)
     reference = small_model("llama")
-    policy.gradient_checkpointing_enable({"use_reentrant": False})
+    enable_checkpointing(policy)
     layouts = []
     single_pass = forward._single_pass
     monkeypatch.setattr(forward, "_single_pass", lambda *args: layouts.append("single") or single_pass(*args))
@@ -386,7 +391,7 @@ def test_a_reference_computes_through_its_policys_pass_so_equal_weights_give_equ
     reference = small_model("llama")
     reference.load_state_dict(policy.state_dict())
     reference.requires_grad_(False)
-    policy.gradient_checkpointing_enable({"use_reentrant": False})
+    enable_checkpointing(policy)
     policy.train()
     assert not supports(policy) and supports(reference)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

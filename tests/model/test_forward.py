@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from atrctl.model import forward
 from atrctl.model.batch import Rollout, position_ids
-from atrctl.model.forward import completion_logprobs_and_entropy, selective_log_softmax
+from atrctl.model.forward import cache_argument, completion_logprobs_and_entropy, selective_log_softmax
 
 VOCAB = 3001
 
@@ -67,14 +67,17 @@ def todays(model, rollout: Rollout, temperature: float):
         input_ids=prompt[first_rows],
         attention_mask=prompt_mask[first_rows],
         position_ids=positions[first_rows, :width],
-        cache=cache,
+        **cache_argument(model, cache),
         logits_to_keep=1,
     ).logits[:, -1]
     owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
     cache.batch_select_indices(owner)
     end = width + completion.shape[1] - 1
     rest = model(
-        input_ids=completion[:, :-1], attention_mask=mask[:, :end], position_ids=positions[:, width:end], cache=cache
+        input_ids=completion[:, :-1],
+        attention_mask=mask[:, :end],
+        position_ids=positions[:, width:end],
+        **cache_argument(model, cache),
     ).logits
     logits = torch.cat([head[owner][:, None], rest], dim=1).float() / temperature
     logp_all = torch.log_softmax(logits, -1)
@@ -165,3 +168,20 @@ def test_selective_log_softmax_of_nothing_is_zeros():
         states, torch.nn.Identity(), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3)
     )
     assert torch.equal(logp, torch.zeros(2, 3)) and torch.equal(entropy, torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_cache_argument_reaches_the_installed_transformers_cache(arch):
+    """The keyword changed (past_key_values, then cache) and a wrong one is swallowed by **kwargs: a prefill
+    through `cache_argument` must fill the cache, and a step on it must give the full pass's next logits."""
+    from transformers import DynamicCache
+
+    model = small_model(arch).eval()
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :4], **cache_argument(model, cache))
+        assert cache.get_seq_length() == 4
+        step = model(input_ids=ids[:, 4:], position_ids=torch.tensor([[4], [4]]), **cache_argument(model, cache))
+        whole = model(input_ids=ids, use_cache=False)
+    torch.testing.assert_close(step.logits[:, -1], whole.logits[:, -1], rtol=1e-5, atol=1e-5)

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from atrctl.errors import UserError
+from atrctl.model import forward
 from atrctl.model.batch import Rollout
-from atrctl.model.forward import completion_logprobs
-from atrctl.model.loading import build_char_tokenizer, build_model
+from atrctl.model.forward import cache_argument, completion_logprobs
+from atrctl.model.loading import build_char_tokenizer, build_model, enable_checkpointing
 from atrctl.rollout.backend import decode_completions
 from atrctl.rollout.hf import draw, sample
 
@@ -254,7 +255,7 @@ def test_activation_checkpointing_takes_the_single_pass_with_the_same_result(tok
     rollout = grouped_rollout(model, tokenizer, prompts)
     weights = torch.ones(rollout.completion_ids.shape)
     plain, plain_grad = logprobs_and_grad(model, rollout, weights)
-    model.activation_checkpointing_enable({"use_reentrant": False})
+    enable_checkpointing(model)
     checkpointed, checkpointed_grad = logprobs_and_grad(model, rollout, weights)
     torch.testing.assert_close(checkpointed, plain, atol=1e-5, rtol=0)
     for got, want in zip(checkpointed_grad, plain_grad, strict=True):
@@ -321,8 +322,8 @@ def test_a_model_that_ignores_the_cache_gets_the_single_pass(tokenizer, prompts,
     rollout = grouped_rollout(model, tokenizer, prompts)
     weights = torch.ones(rollout.completion_ids.shape)
     plain, _ = logprobs_and_grad(model, rollout, weights)
-    model.activation_checkpointing_enable({"use_reentrant": False})
-    monkeypatch.setattr(type(model), "is_activation_checkpointing", property(lambda self: False))
+    enable_checkpointing(model)
+    monkeypatch.setattr(forward, "is_checkpointing", lambda model: False)
     undetected, _ = logprobs_and_grad(model, rollout, weights)
     torch.testing.assert_close(undetected, plain, atol=1e-5, rtol=0)
 
@@ -403,15 +404,15 @@ def test_the_cache_drops_rows_as_a_cache_rebuilt_from_those_rows(model, tokenize
     keep = torch.tensor([1, 3])
     with torch.inference_mode():
         cache = preallocated_cache(model, capacity=8)
-        model(input_ids=ids, attention_mask=mask, cache=cache)
+        model(input_ids=ids, attention_mask=mask, **cache_argument(model, cache))
         cache.batch_select_indices(keep)
         step = torch.tensor([[9], [10]])
         after = model(input_ids=step, attention_mask=torch.ones(2, 5, dtype=torch.long),
-                      position_ids=torch.tensor([[4], [4]]), cache=cache).logits[:, -1]  # fmt: skip
+                      position_ids=torch.tensor([[4], [4]]), **cache_argument(model, cache)).logits[:, -1]  # fmt: skip
         fresh = preallocated_cache(model, capacity=8)
-        model(input_ids=ids[keep], attention_mask=mask[keep], cache=fresh)
+        model(input_ids=ids[keep], attention_mask=mask[keep], **cache_argument(model, fresh))
         direct = model(input_ids=step, attention_mask=torch.ones(2, 5, dtype=torch.long),
-                       position_ids=torch.tensor([[4], [4]]), cache=fresh).logits[:, -1]  # fmt: skip
+                       position_ids=torch.tensor([[4], [4]]), **cache_argument(model, fresh)).logits[:, -1]  # fmt: skip
     assert cache.get_seq_length() == 5
     torch.testing.assert_close(after, direct, atol=1e-6, rtol=0)
 
