@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from atrctl import numbers
-from atrctl.config.schema import AlgoConfig, Recipe
+from atrctl.config.schema import AlgoConfig, Recipe, RolloutConfig
 from atrctl.errors import UserError
 
 if sys.version_info >= (3, 11):
@@ -44,6 +44,7 @@ _CHOICES = {
     ("model", "autocast"): lambda: ("auto", "bfloat16", "off"),
     ("model", "shard"): lambda: ("none", "fsdp"),
     ("rollout", "backend"): _registry("atrctl.rollout.backend", "ROLLOUT_BACKENDS"),
+    ("rollout", "correction"): _registry("atrctl.core.correction", "CORRECTIONS"),
     ("algo", "advantage"): _registry("atrctl.core.advantages", "ADVANTAGE_ESTIMATORS"),
     ("algo", "agg"): _registry("atrctl.core.losses", "AGGREGATIONS"),
     ("algo", "kl_estimator"): _registry("atrctl.core.losses", "KL_ESTIMATORS"),
@@ -213,6 +214,7 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
         sections[section] = _build_section(section, hints[section], values)
     recipe = Recipe(**sections)
     _check_loss_args(recipe.algo)
+    _check_rollout_args(recipe.rollout)
     if recipe.task.system_prompt and not recipe.task.chat_template:
         raise UserError("task.system_prompt needs the chat template: set task.chat_template = true")
     return recipe
@@ -230,6 +232,18 @@ def _check_loss_args(algo: AlgoConfig) -> None:
     for key, value in algo.args.items():
         if key in defaults:
             numbers.loss_value(value, defaults[key], f"algo.args.{key}")
+
+
+def _check_rollout_args(rollout: RolloutConfig) -> None:
+    """The correction's parameters, and engine settings only for a backend that has an engine."""
+    from atrctl.core.correction import check_correction
+
+    try:
+        check_correction(rollout.correction, rollout.correction_args)
+    except ValueError as error:
+        raise UserError(f"rollout.correction_args: {error}") from None
+    if rollout.engine_args and rollout.backend == "hf":
+        raise UserError("rollout.engine_args: the hf backend takes none; remove them or set rollout.backend = 'vllm'")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

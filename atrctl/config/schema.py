@@ -100,7 +100,18 @@ class RolloutConfig:
     """Most completions per sampling call, in whole groups (0 = all of a process's share at once): caps KV-cache
     memory.  Each call's generator is seeded from (seed, step, first prompt), so the value changes the samples."""
     backend: str = "hf"
-    """Rollout backend that generates the completions (`atrctl ls`): "hf" is atrctl's KV-cache sampler."""
+    """Rollout backend that generates the completions (`atrctl ls`): "hf" is atrctl's KV-cache sampler, "vllm"
+    vLLM's engine in this process (docs/backends.md)."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Settings for the backend's engine: vLLM's engine arguments for "vllm" (e.g. {kv_cache_memory_bytes =
+    2_000_000_000, enforce_eager = false}); "hf" takes none."""
+    correction: str = "none"
+    """How the update treats the mismatch between the policy μ the backend sampled from and π_old, the trainer's
+    (`atrctl ls`; docs/backends.md): "none"; "token-tis" or "sequence-tis", importance weights π_old/μ truncated
+    at cap; "token-mask" or "sequence-mask", tokens or whole completions dropped where a divergence measure of
+    π_old/μ exceeds δ.  Every step reports mismatch/* whichever is chosen."""
+    correction_args: dict[str, Any] = field(default_factory=dict)
+    """The correction's parameters beyond its defaults, e.g. {cap = 3.0} or {measure = "kl3", delta = 0.05}."""
 
 
 @dataclass

@@ -298,6 +298,7 @@ def policy_loss(
     kl_estimator: str = "k3",
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    token_weights: Tensor | None = None,
     **params,
 ) -> LossOutput:
     """The policy loss of `algo` aggregated by `agg`, and its diagnostics.
@@ -306,7 +307,8 @@ def policy_loss(
     advantages: [B] or [B, T].  `params` go to the loss (e.g. eps, max_kl3, delta,
     measure, eps_low, eps_high, dual_clip).  With `ref_logp` the KL to the reference is
     reported as `kl/ref` and `beta` times it is added; with `entropy` (per token) it is
-    reported as `entropy` and `entropy_coef` times it is subtracted.
+    reported as `entropy` and `entropy_coef` times it is subtracted.  `token_weights` [B, T] scale each token's
+    policy term (a rollout correction's, `atrctl.core.correction`; 0 drops it), not the penalties.
     """
     if algo not in POLICY_LOSSES:
         raise ValueError(f"unknown algo {algo!r}; choose one of {', '.join(POLICY_LOSSES)}")
@@ -327,6 +329,8 @@ def policy_loss(
 
     tokens = prepare_tokens(logp, old_logp, advantages, mask)
     token_loss, clip_metrics = POLICY_LOSSES[algo](tokens, **params)
+    if token_weights is not None:
+        token_loss = token_loss * aligned(token_weights, mask, "token_weights").float()
     extra: dict[str, Tensor] = {}
     if ref_logp is not None:
         kl = KL_ESTIMATORS[kl_estimator](masked_log_ratio(aligned(ref_logp, mask, "ref_logp"), tokens))

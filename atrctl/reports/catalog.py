@@ -42,6 +42,7 @@ def sections(recipes: Path = RECIPES) -> list[Section]:
     """Every registry, one section each, in the order a recipe names them."""
     from atrctl.core.advantages import ADVANTAGE_ESTIMATORS
     from atrctl.core.aggregation import AGGREGATIONS
+    from atrctl.core.correction import CORRECTIONS, correction_parameters
     from atrctl.core.divergence import MEASURES, TRUST_REGIONS, region_defaults, trust_region
     from atrctl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, loss_objective, loss_parameters
     from atrctl.rollout.backend import ROLLOUT_BACKENDS
@@ -100,5 +101,10 @@ def sections(recipes: Path = RECIPES) -> list[Section]:
             ],
         ),
         Section("rollout backends (rollout.backend)", ("name", "implementation"), list(ROLLOUT_BACKENDS.items())),
+        Section(
+            "mismatch corrections (rollout.correction, rollout.correction_args)",
+            ("name", "parameters", "what"),
+            [(name, _parameters(correction_parameters(name)), _summary(fn)) for name, fn in CORRECTIONS.items()],
+        ),
         Section(f"recipes ({recipes})", ("file", "what"), [(path.name, _recipe_summary(path)) for path in shipped]),
     ]

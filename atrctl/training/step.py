@@ -12,6 +12,7 @@ import torch
 from atrctl.config.schema import AlgoConfig
 from atrctl.core.advantages import group_advantages
 from atrctl.core.aggregation import aggregation_normaliser
+from atrctl.core.correction import correction_weights
 from atrctl.core.loss_metrics import finish_metrics
 from atrctl.core.losses import POLICY_LOSSES, policy_loss
 from atrctl.model.adapters import reference_pass
@@ -231,9 +232,14 @@ def _accumulate(
             continue
         if own_old_logprobs and old_logp is not None:  # kept for this mini-batch's later passes (μ > 1)
             old_logp[where, :width] = logp.detach()
+        old = logp.detach() if own_old_logprobs else old_logp[where, :width]
+        # the backend drew these tokens from its μ, not from π_old: weigh each token's term by the correction
+        weights, mismatch = correction_weights(
+            cfg.rollout.correction, old, sub.logprobs, sub.completion_mask, **cfg.rollout.correction_args
+        )
         loss, metrics = policy_loss(
             logp,
-            logp.detach() if own_old_logprobs else old_logp[where, :width],
+            old,
             advantages[where],
             sub.completion_mask,
             algo=algo.loss,
@@ -244,8 +250,10 @@ def _accumulate(
             kl_estimator=algo.kl_estimator,
             entropy=entropy,
             entropy_coef=algo.entropy_coef,
+            token_weights=None if cfg.rollout.correction == "none" else weights,
             **algo.args,
         )
+        metrics = {**metrics, **dict(zip(mismatch, torch.stack(list(mismatch.values())).tolist(), strict=True))}
         if not torch.isfinite(loss):
             finite = False
             if not sharded:
