@@ -12,6 +12,7 @@ from atrctl.cli.options import (
     EVALUATION,
     ArmProblemsOption,
     ArmSamplesOption,
+    BackendOption,
     EpsHighOption,
     EpsOption,
     MaxKl3Option,
@@ -42,13 +43,14 @@ def compare(
     set_: SetOption = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing comparison of the same name.")] = False,
     report_to: ReportToOption = None,
+    backend: BackendOption = None,
     results: ResultsOption = Path("results"),
 ) -> None:
     """Train and evaluate several algorithms side by side (e.g. `atrctl compare grpo atr`)."""
     from atrctl.cli import tables
     from atrctl.experiments.compare import plan_comparison
 
-    config, command = _set_up(ctx, recipe, steps, report_to, set_)
+    config, command = _set_up(ctx, recipe, steps, report_to, set_, backend)
     comparison = plan_comparison(
         arms,
         seeds=seeds,
@@ -67,7 +69,7 @@ def compare(
                   command=command)  # fmt: skip
 
 
-def _set_up(ctx: typer.Context, recipe, steps: int | None, report_to, set_) -> tuple:
+def _set_up(ctx: typer.Context, recipe, steps: int | None, report_to, set_, backend: str | None) -> tuple:
     """What compare and sweep both start from: the shared recipe with the flags applied, and the command as
     typed (for the report)."""
     import shlex
@@ -76,7 +78,12 @@ def _set_up(ctx: typer.Context, recipe, steps: int | None, report_to, set_) -> t
     from atrctl.config.loading import load_recipe
 
     display.quiet_libraries()
-    sets = [*([f"run.steps={steps}"] if steps is not None else []), *report_to_sets(report_to), *(set_ or [])]
+    sets = [
+        *([f"run.steps={steps}"] if steps is not None else []),
+        *([f"rollout.backend={backend}"] if backend is not None else []),
+        *report_to_sets(report_to),
+        *(set_ or []),
+    ]
     return load_recipe(recipe, sets), " ".join(shlex.quote(a) for a in ["atrctl", *ctx.obj])
 
 
@@ -121,6 +128,7 @@ def sweep(
     set_: SetOption = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing sweep of the same name.")] = False,
     report_to: ReportToOption = None,
+    backend: BackendOption = None,
     results: ResultsOption = Path("results"),
 ) -> None:
     """Train LOSS at every grid point (and the --vs arms) from one base and compare them (e.g.
@@ -129,7 +137,7 @@ def sweep(
     from atrctl.experiments.sweep import plan_sweep
     from atrctl.experiments.sweep_report import write_sweep_report
 
-    config, command = _set_up(ctx, recipe, steps, report_to, set_)
+    config, command = _set_up(ctx, recipe, steps, report_to, set_, backend)
     planned = plan_sweep(
         loss, grid, vs or [], seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=config, max_kl3=max_kl3,
         eps=eps, eps_high=eps_high, name=name, overwrite=overwrite, results=results,

@@ -10,7 +10,7 @@ import typer
 
 from atrctl import numbers
 from atrctl.cli.display import console
-from atrctl.cli.options import DEVICE_HELP, EVALUATION, NprocOption, check_nproc
+from atrctl.cli.options import DEVICE_HELP, EVALUATION, BackendOption, NprocOption, check_nproc
 from atrctl.errors import UserError
 from atrctl.files.destinations import check_destination
 
@@ -66,6 +66,7 @@ def eval_command(
         str,
         typer.Option(help="Sampled completions per problem written to samples.jsonl (with the greedy one), or 'all'."),
     ] = "4",
+    backend: BackendOption = None,
     nproc: NprocOption = None,
 ) -> None:
     """Evaluate a model with pass@k, avg@n, maj@k and greedy accuracy: table, CSV, markdown and plot.
@@ -74,6 +75,7 @@ def eval_command(
     from atrctl.cli import display, progress, tables
     from atrctl.config.loading import parse_task_args
     from atrctl.experiments.evaluation import eval_target, parse_ks, run_evaluation
+    from atrctl.rollout.backend import check_backend
     from atrctl.runtime import distributed
     from atrctl.training.rundir import has_evaluation
 
@@ -96,7 +98,8 @@ def eval_command(
         raise UserError(f"--completions {completions!r}: give a count (e.g. 4, or 0 for the greedy ones only) or 'all'")
     keep = None if completions == "all" else int(completions)
     prompt = dict(chat_template=chat_template, system_prompt=system_prompt, instruction=instruction)
-    spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out, **prompt)
+    spec = eval_target(target, task, parse_task_args(task_arg or []), max_new_tokens, out, backend=backend, **prompt)
+    check_backend(spec.backend, "--backend")
     check_destination(spec.directory, "--out")
     if has_evaluation(spec.directory) and not overwrite:
         raise UserError(

@@ -53,6 +53,10 @@ SetOption = Annotated[
     list[str] | None, typer.Option("--set", help="Override any recipe key: section.key=value (repeatable).")
 ]
 ResultsOption = Annotated[Path, typer.Option(help="Results folder.")]
+BackendOption = Annotated[
+    str | None,
+    typer.Option(help=r"Rollout backend that samples (rollout.backend): hf or vllm \[default: the recipe's, hf]."),
+]
 ReportToOption = Annotated[
     list[str] | None,
     typer.Option(help="Trackers besides metrics.jsonl: tensorboard, wandb (repeatable, or comma-separated)."),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from atrctl.core.passk import EvalResult, default_ks
@@ -33,6 +33,7 @@ class EvalTarget:
     problem_seed: int  # the held-out problems training evaluated on (eval.seed), shared by every run
     directory: Path  # where its evaluation files go
     backend: str = "hf"  # the rollout backend that samples (a run's rollout.backend)
+    engine_args: dict = field(default_factory=dict)  # and its engine's settings (a run's rollout.engine_args)
     system_prompt: str = ""  # the [task] prompt keys (`atrctl.rollout.prompts`)
     instruction: str = "auto"
     strict: bool = False  # a run's own final model: any missing or unexpected weight is an error
@@ -54,6 +55,7 @@ def eval_target(
     chat_template: bool | None = None,
     system_prompt: str | None = None,
     instruction: str | None = None,
+    backend: str | None = None,
 ) -> EvalTarget:
     """TARGET resolved: a run directory brings its own recipe (task, prompt style, lengths, dtype), which the
     arguments given override; a model directory or hub name needs `task` and `max_new_tokens`, and its
@@ -62,7 +64,8 @@ def eval_target(
 
     from atrctl.config.schema import EvalConfig
 
-    given = {"chat_template": chat_template, "system_prompt": system_prompt, "instruction": instruction}
+    given = {"chat_template": chat_template, "system_prompt": system_prompt, "instruction": instruction,
+             "backend": backend}  # fmt: skip
     overrides = {key: value for key, value in given.items() if value is not None}
 
     task_args = task_args or {}
@@ -82,10 +85,13 @@ def eval_target(
             recipe.eval.seed,
             out or run.eval,
             recipe.rollout.backend,
+            recipe.rollout.engine_args,
             recipe.task.system_prompt,
             recipe.task.instruction,
             strict=True,
         )
+        if backend is not None and backend != recipe.rollout.backend:  # the run's engine settings are its backend's
+            overrides["engine_args"] = {}
         return replace(spec, **overrides)
     if task is None:
         raise UserError(f"{target} is not a run directory (no config.toml): name its task, e.g. --task arith")
@@ -142,6 +148,7 @@ def evaluate_target(
         batch_size=batch_size,
         keep=keep,
         backend=spec.backend,
+        engine_args=spec.engine_args,
         on_progress=on_progress,
     )
 

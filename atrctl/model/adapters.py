@@ -100,6 +100,29 @@ def add_adapters(model: torch.nn.Module, settings: dict[str, Any], seed: int = 0
         return get_peft_model(model, config)
 
 
+def merged_weights(model: torch.nn.Module):
+    """(Hugging Face name, tensor) of each weight the policy samples with: a LoRA layer's base weight with
+    its active adapters' W + (α/r)·B·A merged in (in float32, as the final model's merge), other weights as
+    they are.  For an engine that holds its own copy of the model; the module itself is not changed."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # no peft, so no adapters
+        LoraLayer = ()  # noqa: N806
+    merged = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer) and not module.disable_adapters:
+                weight = module.get_base_layer().weight.float()
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A:
+                        weight = weight + module.get_delta_weight(adapter).float()
+                merged[f"{name}.base_layer.weight"] = weight
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        yield name.replace(".base_layer.", "."), merged.get(name, tensor).detach()
+
+
 def store_frozen_base(model: torch.nn.Module, dtype: torch.dtype | None) -> bool:
     """Keep the frozen linear layers (the base under the adapters) in `dtype`, the run's bf16 autocast, where
     that loses nothing: when every one of their values is a bf16 number already, as in checkpoints shipped

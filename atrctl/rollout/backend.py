@@ -8,7 +8,7 @@ so an engine with heavy dependencies (vLLM, say) costs nothing to the runs that 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -52,7 +52,8 @@ class NonFiniteProbabilities(RuntimeError):
 class RolloutBackend(Protocol):
     """What the trainer and the evaluators need from a generation engine.
 
-    Built as `Backend(model, tokenizer, numerics)` by `rollout_backend`.
+    Built as `Backend(model, tokenizer, numerics)` by `rollout_backend`, with `engine_args=` (the recipe's
+    `rollout.engine_args`) where a recipe gives some.
     """
 
     @property
@@ -83,14 +84,31 @@ class RolloutBackend(Protocol):
 
 
 # name -> "module:Class" of a RolloutBackend, imported when a recipe picks it.
-ROLLOUT_BACKENDS: dict[str, str] = {"hf": "atrctl.rollout.hf:HFSampler"}
+ROLLOUT_BACKENDS: dict[str, str] = {
+    "hf": "atrctl.rollout.hf:HFSampler",
+    "vllm": "atrctl.rollout.vllm_engine:VLLMSampler",
+}
+
+
+def check_backend(name: str, where: str = "rollout.backend") -> None:
+    """Refuse, before anything is written, a backend that is not registered or whose engine is not installed
+    (a backend module may define `check_installed()`; importing the module itself costs nothing)."""
+    if name not in ROLLOUT_BACKENDS:
+        raise UserError(f"{where} = {name!r} is not registered; use one of {', '.join(ROLLOUT_BACKENDS)}")
+    module = importlib.import_module(ROLLOUT_BACKENDS[name].split(":")[0])
+    getattr(module, "check_installed", lambda: None)()
 
 
 def rollout_backend(
-    name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: Numerics
+    name: str,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    numerics: Numerics,
+    engine_args: dict[str, Any] | None = None,
 ) -> RolloutBackend:
     """The backend registered as `name`, generating with `model`."""
     if name not in ROLLOUT_BACKENDS:
         raise UserError(f"rollout.backend = {name!r} is not registered; use one of {', '.join(ROLLOUT_BACKENDS)}")
     module, cls = ROLLOUT_BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(model, tokenizer, numerics)
+    options = {"engine_args": engine_args} if engine_args else {}
+    return getattr(importlib.import_module(module), cls)(model, tokenizer, numerics, **options)

@@ -57,6 +57,7 @@ def evaluate_model(
     top_p: float = 1.0,
     batch_size: int = 0,
     backend: str = "hf",
+    engine_args: dict | None = None,
     keep: int | None = DEFAULT_KEEP,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
@@ -88,7 +89,7 @@ def evaluate_model(
     check_lengths(prompt_ids, max_new_tokens, model_positions(model), "--max-new-tokens")
     batch_size = sized_batch(model, max((len(ids) for ids in prompt_ids), default=0) + max_new_tokens, batch_size)
     device = next(model.parameters()).device
-    sampler = rollout_backend(backend, model, tokenizer, numerics(device, autocast=False))  # the dtype loaded
+    sampler = rollout_backend(backend, model, tokenizer, numerics(device, autocast=False), engine_args)  # its dtype
 
     def shown(i: int, label: str, texts: list[str], scores: list) -> list[dict]:
         """What samples.jsonl says of completions of problem i: enough to see why a score is what it is."""

@@ -46,11 +46,13 @@ def check_before_warmup(recipe: Recipe) -> None:
     before anything is written: ATRCTL_THREADS, the memory the step's and the held-out check's samples take
     at the least, and for a preset (whose shape is known before it exists) the LoRA rank and prompt lengths."""
     from atrctl.model.loading import MAX_POSITIONS, PRESETS
+    from atrctl.rollout.backend import check_backend
     from atrctl.rollout.evaluate import BYTES_PER_SAMPLE, check_samples_fit
     from atrctl.runtime.machine import check_fits, requested_threads
 
     requested_threads()
     rollout = recipe.rollout
+    check_backend(rollout.backend)
     rows = rollout.prompts * rollout.group_size
     check_fits(f"rollout.prompts × rollout.group_size = {rows:,} completions of {rollout.max_new_tokens} tokens",
                rows * (BYTES_PER_SAMPLE + ROLLOUT_BYTES_PER_TOKEN * rollout.max_new_tokens),
@@ -59,8 +61,14 @@ def check_before_warmup(recipe: Recipe) -> None:
     if recipe.model.base not in PRESETS:  # a real model's shape is read with it: it needs no warm-up
         return
     lora = lora_settings(recipe.model.lora)
+    hidden, _, heads, _ = PRESETS[recipe.model.base]
     if lora:
-        check_rank(lora["r"], PRESETS[recipe.model.base][0])
+        check_rank(lora["r"], hidden)
+    if rollout.backend == "vllm":
+        from atrctl.model.numerics import resolve_device
+        from atrctl.rollout.vllm_engine import check_head_size
+
+        check_head_size(hidden // heads, resolve_device(recipe.model.device))
     longest = _longest_preset_prompt(json.dumps(recipe_to_dict(recipe)["task"], sort_keys=True), recipe.run.seed,
                                      recipe.eval.problems, recipe.eval.seed)  # fmt: skip
     check_lengths([[0] * longest], rollout.max_new_tokens, MAX_POSITIONS, LENGTH_FLAG)
@@ -88,4 +96,7 @@ def probe_loss(recipe: Recipe):
 
 
 def metric_names(recipe: Recipe) -> list[str]:
-    return list(probe_loss(recipe).metrics)
+    """Every metric an optimiser step reports: the loss's diagnostics and the sampler's mismatch."""
+    from atrctl.core.correction import MISMATCH_METRICS
+
+    return [*probe_loss(recipe).metrics, *MISMATCH_METRICS]

@@ -125,7 +125,7 @@ def build_run(
         trained_parameters(model), lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay, fused=True
     )
     run_dir = directory if isinstance(directory, RunDir) else RunDir(directory)
-    sampler = rollout_backend(recipe.rollout.backend, sampled, tokenizer, compute)
+    sampler = rollout_backend(recipe.rollout.backend, sampled, tokenizer, compute, recipe.rollout.engine_args)
     if sampled is not model:
         sampler = GatheredSampler(sampler, sampled)
     return Run(
