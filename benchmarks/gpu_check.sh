@@ -6,6 +6,9 @@
 #                                       among them: compiled update and decoding equal to eager on the GPU)
 #   benchmarks/gpu_check.sh shard       a few FSDP2-sharded steps of the Qwen2.5-0.5B shape over every GPU of the
 #                                       machine (two or more), then LoRA on one GPU: tokens/s, MFU, peak memory per rank
+#   benchmarks/gpu_check.sh vllm        on a machine with vLLM's CUDA build: the vllm backend's tests (its logprobs
+#                                       against the training pass, weight sync, seeds, EOS, LoRA), then rollout
+#                                       tokens/s of vllm against hf on the Qwen2.5-0.5B shape (bf16 and float32)
 #
 # The machine needs a CUDA torch.  Anything else atrctl needs that is missing there travels as wheels in
 # .whl/ (benchmarks/gpu_wheels.sh downloads them where pip has a registry: at least transformers 5.24 for
@@ -37,8 +40,13 @@ shard)
     fi
     timeout 100 python3 benchmarks/shard_check.py --lora
     ;;
+vllm)
+    python3 -c "import vllm" || { echo "no vLLM here: pip install vllm==0.32.0 (it pins torch 2.13.0)" >&2; exit 2; }
+    timeout 200 python3 -m pytest -q -m vllm tests || true
+    timeout 200 python3 benchmarks/backends.py --models qwen2.5-0.5b-shape --prompts 64 --tokens 256 --steps 0
+    ;;
 *)
-    echo "usage: benchmarks/gpu_check.sh [scaling|shard]" >&2
+    echo "usage: benchmarks/gpu_check.sh [scaling|shard|vllm]" >&2
     exit 2
     ;;
 esac

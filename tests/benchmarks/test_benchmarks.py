@@ -19,14 +19,28 @@ TOOLS = {  # tool: a line its output holds when it measured something
     "profile_step": "Self CPU",
     "shard_memory": "| lora | rank 0 |",
     "shard_check": "tokens/s",
+    "backends": "vllm / hf per pair",
 }
+NEEDS_VLLM = {"backends"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tool", sorted(TOOLS))
+@pytest.mark.parametrize("tool", sorted(set(TOOLS) - NEEDS_VLLM))
 def test_each_tool_runs_its_smoke_mode(tool):
     if tool == "vs_trl" and importlib.util.find_spec("trl") is None:
         pytest.skip("vs_trl needs trl (the bench extra)")
+    smoke(tool)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("tool", sorted(NEEDS_VLLM))
+def test_each_vllm_tool_runs_its_smoke_mode(tool):
+    pytest.importorskip("vllm")
+    smoke(tool)
+
+
+def smoke(tool: str) -> None:
     env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(BENCHMARKS / f"{tool}.py"), "--smoke"], capture_output=True,
                           text=True, cwd=BENCHMARKS.parent, env=env, timeout=300)  # fmt: skip
