@@ -53,6 +53,20 @@ def check_installed() -> None:
         raise UserError(f"rollout.backend = 'vllm' needs vLLM, which is not installed: {INSTALL}")
 
 
+def check_one_process() -> None:
+    """vLLM's engine takes torch.distributed's world for its own: under torchrun it would find atrctl's ranks
+    and fail deep inside its start.  One line instead, before anything is written."""
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
+        raise UserError(
+            "rollout.backend = 'vllm' runs in one process for now: drop --nproc (torchrun), "
+            "or sample with rollout.backend = 'hf' (docs/backends.md)"
+        )
+
+
 def check_supported(model: PreTrainedModel, device: torch.device) -> None:
     """Refuse, before the engine starts, a model the device's attention kernels cannot run."""
     config = model.config
@@ -85,6 +99,7 @@ class VLLMSampler:
         engine_args: dict[str, Any] | None = None,
     ):
         check_installed()
+        check_one_process()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: its model takes the policy's tensors
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # atrctl's display; a level the user set is kept
         device = model.device

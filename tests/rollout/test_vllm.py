@@ -163,3 +163,10 @@ def test_an_engine_argument_vllm_does_not_take_is_one_line(tokenizer):
     with pytest.raises(UserError, match="rollout.engine_args"):
         rollout_backend("vllm", small(tokenizer), tokenizer, numerics(torch.device("cpu"), autocast=False),
                         {"no_such_setting": 1})  # fmt: skip
+
+
+def test_several_processes_are_refused_in_one_line(tokenizer, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(UserError, match="runs in one process for now: drop --nproc"):
+        rollout_backend("vllm", small(tokenizer), tokenizer, numerics(torch.device("cpu"), autocast=False))
