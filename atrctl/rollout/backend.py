@@ -44,6 +44,16 @@ def _decodes_as_its_backend(tokenizer: PreTrainedTokenizerBase) -> bool:
     )
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, greedy: bool) -> None:
+    """The sampling settings every backend refuses, in one line each."""
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1: raise it")
+    if not greedy and temperature <= 0:
+        raise UserError(f"temperature={temperature} must be > 0: raise it, or sample greedily")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"top_p={top_p} must be in (0, 1]: use 1.0 to turn it off")
+
+
 class NonFiniteProbabilities(RuntimeError):
     """A backend raises this when the policy's next-token probabilities are NaN or infinite: the policy has
     diverged, which the trainer turns into a clean stop instead of a crash."""

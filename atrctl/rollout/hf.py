@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from atrctl.errors import UserError
 from atrctl.model import decoder_pass
 from atrctl.model.batch import Rollout, left_pad, position_ids
 from atrctl.model.forward import cache_argument
-from atrctl.rollout.backend import NonFiniteProbabilities
+from atrctl.rollout.backend import NonFiniteProbabilities, check_sampling
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -374,12 +373,7 @@ def sample(
     The generator must live on the model's device.  `compiled` (model.compile): the prefill and decoding steps
     run compiled through `decoder_pass`, on a preallocated cache.
     """
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1: raise it")
-    if not greedy and temperature <= 0:
-        raise UserError(f"temperature={temperature} must be > 0: raise it, or sample greedily")
-    if not 0.0 < top_p <= 1.0:
-        raise UserError(f"top_p={top_p} must be in (0, 1]: use 1.0 to turn it off")
+    check_sampling(max_new_tokens, temperature, top_p, greedy)
 
     device = model.device
     stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=device)

@@ -19,7 +19,7 @@ import torch
 
 from atrctl.errors import UserError
 from atrctl.model.batch import Rollout, left_pad
-from atrctl.rollout.backend import NonFiniteProbabilities
+from atrctl.rollout.backend import NonFiniteProbabilities, check_sampling
 from atrctl.rollout.hf import stop_tokens
 
 if TYPE_CHECKING:
@@ -199,16 +199,6 @@ def _through_first_eos(ids: torch.Tensor, completions, is_eos: torch.Tensor) -> 
     produced tokens are exactly its completion (a pad id inside one is a real token, masked in)."""
     produced = torch.arange(ids.shape[1])[None] < torch.tensor([len(c.token_ids) for c in completions])[:, None]
     return (produced & (is_eos.cumsum(-1) - is_eos == 0)).long()
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float, greedy: bool) -> None:
-    """The hf sampler's checks of the sampling settings, for a backend that does not run `sample`."""
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1: raise it")
-    if not greedy and temperature <= 0:
-        raise UserError(f"temperature={temperature} must be > 0: raise it, or sample greedily")
-    if not 0.0 < top_p <= 1.0:
-        raise UserError(f"top_p={top_p} must be in (0, 1]: use 1.0 to turn it off")
 
 
 def _seeds(prompts: int, generator: torch.Generator | None) -> list[int | None]:
