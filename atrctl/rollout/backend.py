@@ -117,8 +117,7 @@ def rollout_backend(
     engine_args: dict[str, Any] | None = None,
 ) -> RolloutBackend:
     """The backend registered as `name`, generating with `model`."""
-    if name not in ROLLOUT_BACKENDS:
-        raise UserError(f"rollout.backend = {name!r} is not registered; use one of {', '.join(ROLLOUT_BACKENDS)}")
+    check_backend(name)
     module, cls = ROLLOUT_BACKENDS[name].split(":")
     options = {"engine_args": engine_args} if engine_args else {}
     return getattr(importlib.import_module(module), cls)(model, tokenizer, numerics, **options)

@@ -186,19 +186,12 @@ class VLLMSampler:
             )
         if not bool(torch.isfinite(logprobs).all()):
             raise NonFiniteProbabilities("the engine's logprobs are NaN or infinite: the model's logits are not finite")
-        stops = torch.tensor(self.eos_id)
-        is_eos = torch.isin(ids, stops).long()
-        mask = _through_first_eos(ids, completions, is_eos)
+        # the engine stops at the first EOS (kept) or the length limit: a row's produced tokens are its completion
+        produced = torch.tensor([len(c.token_ids) for c in completions])
+        mask = (torch.arange(width)[None] < produced[:, None]).long()
         prompt, prompt_mask = left_pad(prompt_ids, self.pad_id)
         prompt, prompt_mask = (t.repeat_interleave(repeats, dim=0) for t in (prompt, prompt_mask))
         return Rollout(*(t.to(self.device) for t in (prompt, prompt_mask, ids, mask, logprobs * mask)))
-
-
-def _through_first_eos(ids: torch.Tensor, completions, is_eos: torch.Tensor) -> torch.Tensor:
-    """1 for each produced token up to and including the first EOS: the engine stops there, so a row's
-    produced tokens are exactly its completion (a pad id inside one is a real token, masked in)."""
-    produced = torch.arange(ids.shape[1])[None] < torch.tensor([len(c.token_ids) for c in completions])[:, None]
-    return (produced & (is_eos.cumsum(-1) - is_eos == 0)).long()
 
 
 def _seeds(prompts: int, generator: torch.Generator | None) -> list[int | None]:
