@@ -155,6 +155,9 @@ class RecordingSampler:
         RecordingSampler.calls.append(("load_weights",))
         self.inner.load_weights(model)
 
+    def join_peers(self):
+        self.inner.join_peers()
+
 
 def test_a_registered_rollout_backend_is_chosen_by_the_recipe(results, monkeypatch):
     monkeypatch.setitem(ROLLOUT_BACKENDS, "recording", f"{__name__}:RecordingSampler")

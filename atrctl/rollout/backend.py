@@ -92,6 +92,12 @@ class RolloutBackend(Protocol):
         """Take the policy's new weights (after an optimiser step) before the next `generate`."""
         ...
 
+    def join_peers(self) -> None:
+        """Take part in the other ranks' `generate` calls until every rank has made its last, before any other
+        collective: an engine spread over the processes (vLLM under torchrun) needs every rank in each of its
+        calls, and ranks make different numbers of them.  Nothing to do for an engine local to its process."""
+        ...
+
 
 # name -> "module:Class" of a RolloutBackend, imported when a recipe picks it.
 ROLLOUT_BACKENDS: dict[str, str] = {

@@ -149,6 +149,7 @@ def evaluate_model(
         if on_progress is not None:
             on_progress(len(sampled), total)
 
+    sampler.join_peers()  # ranks with fewer chunks take part in the others' engine calls
     shown_rows: dict[int, list[dict]] = {}
     for rank_greedy, rank_sampled, rank_kept in distributed.all_gather_objects((greedy, sampled, kept)):
         greedy.update(rank_greedy)

@@ -42,6 +42,9 @@ class HFSampler:
     def load_weights(self, model: PreTrainedModel) -> None:
         self.model = model  # the policy module itself: its new weights are already in place
 
+    def join_peers(self) -> None:
+        """Nothing: each process samples on its own."""
+
     def generate(
         self,
         prompt_ids: list[list[int]],

@@ -6,6 +6,10 @@ and after every update, resume or undone step: LoRA adapters merged in, a sharde
 copy (`training.sharding.GatheredSampler`).  Its logprobs are those of the distribution it drew from (after
 temperature and top-p): the behaviour policy μ of `rollout.correction`, never taken as π_old (they differ from
 the training pass by the engine's kernels, and in bf16 by more).
+
+Under torchrun each process holds a whole engine and samples its own prompts, as the hf backend does: vLLM's
+data parallelism over the trainer's processes ("external_launcher").  Its engines step together, so every rank
+takes part in each rank's `generate` call (`join_peers`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from atrctl.errors import UserError
 from atrctl.model.batch import Rollout, left_pad
 from atrctl.rollout.backend import NonFiniteProbabilities, check_sampling
 from atrctl.rollout.hf import stop_tokens
+from atrctl.runtime import distributed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -65,18 +70,26 @@ def check_installed() -> None:
         raise UserError(f"rollout.backend = 'vllm' needs vLLM, which is not installed: {INSTALL}")
 
 
-def check_one_process() -> None:
-    """vLLM's engine takes torch.distributed's world for its own: under torchrun it would find atrctl's ranks
-    and fail deep inside its start.  One line instead, before anything is written."""
-    if (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    ):
+PARALLELISM = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend")
+"""Engine arguments atrctl sets itself: one whole engine per training process, the processes' data parallelism."""
+
+
+def check_engine_args(engine_args: dict[str, Any] | None) -> None:
+    """Refuse the engine arguments that would split the engine differently from the trainer's processes."""
+    taken = [name for name in PARALLELISM if name in (engine_args or {})]
+    if taken:
         raise UserError(
-            "rollout.backend = 'vllm' runs in one process for now: drop --nproc (torchrun), "
-            "or sample with rollout.backend = 'hf' (docs/backends.md)"
+            f"rollout.engine_args: {', '.join(taken)} is set by atrctl (one whole engine per training process, "
+            "data-parallel under torchrun); remove it"
         )
+
+
+def parallelism(world: int) -> dict[str, Any]:
+    """One engine per process; under torchrun the processes are vLLM's data-parallel ranks, launched by torchrun
+    ("external_launcher"), each sampling its own prompts on a whole copy of the policy, as the hf backend does."""
+    if world == 1:
+        return {}
+    return {"distributed_executor_backend": "external_launcher", "data_parallel_size": world}
 
 
 def check_supported(model: PreTrainedModel, device: torch.device) -> None:
@@ -111,7 +124,7 @@ class VLLMSampler:
         engine_args: dict[str, Any] | None = None,
     ):
         check_installed()
-        check_one_process()
+        check_engine_args(engine_args)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: its model takes the policy's tensors
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # atrctl's display; a level the user set is kept
         device = model.device
@@ -121,7 +134,12 @@ class VLLMSampler:
         self.folder = tempfile.TemporaryDirectory(prefix="atrctl-vllm-")
         _write_model_files(model, tokenizer, self.folder.name)
         defaults = engine_defaults(device, getattr(model.config, "max_position_embeddings", None))
-        self.llm = _start_engine(self.folder.name, model, numerics, {**defaults, **(engine_args or {})})
+        world = distributed.world_size()
+        self.collective = world > 1  # each generate call a collective of the engines
+        settings = {**defaults, **(engine_args or {}), **parallelism(world)}
+        self.llm = _start_engine(self.folder.name, model, numerics, settings)
+        if self.collective:  # its shutdown ends torchrun's process group: not before the run's last collective
+            distributed.at_leave(self.llm.llm_engine.engine_core.shutdown)
         self.load_weights(model)
 
     @property
@@ -136,6 +154,17 @@ class VLLMSampler:
             "reload_weights", kwargs={"weights_iterator": merged_weights(model), "is_checkpoint_format": True}
         )
         self.llm.reset_prefix_cache()  # no key or value computed by the old weights may be reused
+
+    def join_peers(self) -> None:
+        """Make empty calls beside the other ranks' real ones until every rank is here: the engines step
+        together (each step asks all of them whether any has requests left), so a rank with fewer prompt
+        chunks, or none, must still be in each call.  A vote before every call says whether one is coming."""
+        while self.collective and self._vote(calling=False):
+            self.llm.generate([], use_tqdm=False)
+
+    def _vote(self, calling: bool) -> bool:
+        """Whether any rank is about to make a generate call (a collective of all ranks)."""
+        return bool(distributed.all_max(torch.tensor(float(calling), device=self.device)).item())
 
     def generate(
         self,
@@ -168,6 +197,8 @@ class VLLMSampler:
             for seed in seeds
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        if self.collective:
+            self._vote(calling=True)  # the ranks in join_peers make an empty call beside this one
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         # prompt-major, as `sample`; a prompt's samples in their own order, not the order they finished in
         completions = [c for output in outputs for c in sorted(output.outputs, key=lambda c: c.index)]

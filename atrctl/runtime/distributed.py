@@ -14,6 +14,7 @@ import datetime
 import gc
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,20 @@ def process_group(device: torch.device):
         # a sharded model dropped by the work inside is cyclic garbage: freed now, while the group it holds work of
         # still exists, not at interpreter exit, where gloo's teardown aborted the process (1 run in ~12, seen)
         gc.collect()
-        dist.destroy_process_group()
+        while _AT_LEAVE:
+            _AT_LEAVE.pop()()
+        if _active():  # an engine closed above may have ended the group itself
+            dist.destroy_process_group()
+
+
+_AT_LEAVE: list[Callable[[], None]] = []
+
+
+def at_leave(close: Callable[[], None]) -> None:
+    """Call `close` when the process group is left, after the run's last collective: an engine that ends the
+    group as it shuts down (vLLM's does) must outlive every collective of the run, not just the object that
+    held it."""
+    _AT_LEAVE.append(close)
 
 
 def barrier() -> None:

@@ -67,6 +67,7 @@ def held_out_or_undo(run: Run, state: TrainState) -> tuple[dict[str, float] | No
                 figures = held_out_metrics(run, shown)
             except NonFiniteProbabilities:
                 failed = True
+        run.sampler.join_peers()  # the other ranks take part in rank 0's engine calls
         if not any_rank(failed, run.device):
             verified(state)
             return figures, shown

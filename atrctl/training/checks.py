@@ -53,6 +53,10 @@ def check_before_warmup(recipe: Recipe) -> None:
     requested_threads()
     rollout = recipe.rollout
     check_backend(rollout.backend)
+    if rollout.backend == "vllm":
+        from atrctl.rollout.vllm_engine import check_engine_args
+
+        check_engine_args(rollout.engine_args)
     rows = rollout.prompts * rollout.group_size
     check_fits(f"rollout.prompts × rollout.group_size = {rows:,} completions of {rollout.max_new_tokens} tokens",
                rows * (BYTES_PER_SAMPLE + ROLLOUT_BYTES_PER_TOKEN * rollout.max_new_tokens),

@@ -191,6 +191,7 @@ def _loop(
             base_eval = held_out_metrics(run, shown)
             run_dir.write_summary({"base": base_eval})
             show(0, shown)
+    run.sampler.join_peers()  # the other ranks take part in rank 0's engine calls
     started, measured = time.perf_counter(), False
     with _StopRequest() as stop:
         while state.step < recipe.run.steps:

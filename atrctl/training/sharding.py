@@ -123,6 +123,9 @@ class GatheredSampler:
     def generate(self, *args, **kwargs):
         return self.backend.generate(*args, **kwargs)
 
+    def join_peers(self) -> None:
+        self.backend.join_peers()
+
     def load_weights(self, policy: torch.nn.Module) -> None:
         with torch.no_grad():
             for (name, sharded), (own, kept) in zip(

@@ -81,6 +81,7 @@ def _sample_or_undo(run: Run, state: TrainState, clock: Stopwatch):
             sampled, failed = rollout_step(run, state.step, clock), False
         except NonFiniteProbabilities:
             sampled, failed = None, True
+        run.sampler.join_peers()  # a rank that stopped early still takes part in the others' engine calls
         if not any_rank(failed, run.device):  # every rank takes the same branch
             verified(state)
             return sampled

@@ -176,8 +176,7 @@ def test_an_engine_argument_vllm_does_not_take_is_one_line(tokenizer):
                         {"no_such_setting": 1})  # fmt: skip
 
 
-def test_several_processes_are_refused_in_one_line(tokenizer, monkeypatch):
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    with pytest.raises(UserError, match="runs in one process for now: drop --nproc"):
-        rollout_backend("vllm", small(tokenizer), tokenizer, numerics(torch.device("cpu"), autocast=False))
+@pytest.mark.parametrize("name", ["tensor_parallel_size", "data_parallel_size", "distributed_executor_backend"])
+def test_the_engines_parallelism_is_atrctls_to_set(tokenizer, name):
+    with pytest.raises(UserError, match=f"rollout.engine_args: {name} is set by atrctl .* remove it"):
+        rollout_backend("vllm", small(tokenizer), tokenizer, numerics(torch.device("cpu"), autocast=False), {name: 2})

@@ -37,6 +37,9 @@ class ShiftedSampler:
     def load_weights(self, model):
         self.inner.load_weights(model)
 
+    def join_peers(self):
+        self.inner.join_peers()
+
 
 def step_metrics(directory):
     return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if '"step"' in line]

@@ -1,32 +1,36 @@
 """Whole runs through the vllm backend (skipped where vLLM is not installed): the engine follows the policy's
-weights through updates, an interrupt and a resume, so a resumed run ends where an uninterrupted one does."""
+weights through updates, an interrupt and a resume, so a resumed run ends where an uninterrupted one does; and
+under torchrun, one engine per process (data-parallel and FSDP2), a run is the one-process run."""
 
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 from helpers import fast, recipe_maker
 from safetensors.torch import load_file
+from test_distributed import assert_same_weights  # the data-parallel tests' tolerance
 
+from atrctl.cli import main
 from atrctl.training.loop import train
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.usefixtures("one_cpu_thread")]
 
 # the small preset (head size 32: vLLM's CPU kernels refuse tiny's 16), barely warmed up: the mechanics, not learning
-recipe = recipe_maker(
-    fast(
-        "model.base=small",
-        "warmup.max_steps=20",
-        "warmup.eval_every=20",
-        "rollout.backend=vllm",
-        "algo.minibatches=2",
-        "eval.every=2",
-        "run.checkpoint_every=100",
-    )  # fmt: skip
+recipe_settings = fast(
+    "model.base=small",
+    "warmup.max_steps=20",
+    "warmup.eval_every=20",
+    "rollout.backend=vllm",
+    "algo.minibatches=2",
+    "eval.every=2",
+    "run.checkpoint_every=100",
 )
+recipe = recipe_maker(recipe_settings)
 
 
 def records(directory):
@@ -51,3 +55,70 @@ def test_a_resumed_vllm_run_ends_where_an_uninterrupted_one_does(results):
     assert all(abs(r["mismatch/log_ratio/max"]) < 1e-4 for r in straight if "mismatch/log_ratio/max" in r)
     a, b = (load_file(results / name / "model" / "model.safetensors") for name in ("straight", "resumed"))
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+# Under torchrun: one prompt per sampling chunk (the 1-process chunks, so the same per-prompt seeds) and rank 0's
+# held-out checks in 8 engine calls (blocks of 4 completions) that the other rank joins with empty ones.
+TORCHRUN = ["rollout.sample_batch=4", "eval.batch=4", "run.steps=2"]
+
+
+def torchrun_train(*args):
+    env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    sets = [arg for item in (*recipe_settings, *TORCHRUN) for arg in ("--set", item)]
+    done = subprocess.run(
+        [*command, "-m", "atrctl", "train", *sets, *args], capture_output=True, text=True, env=env, timeout=600
+    )  # a rank left out of an engine call would wait for ever
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def one_process(results):
+    directory = results / "one-process"
+    train(recipe(*TORCHRUN), directory, results=results)
+    return directory
+
+
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_one_engine_per_process_gives_the_one_process_run(results, one_process, shard):
+    """Data-parallel and FSDP2 (the engine takes the gathered copy): each rank samples its own prompts on its
+    engine, the held-out checks run on rank 0 alone, and the run ends with the 1-process run's weights and
+    figures up to float noise."""
+    torchrun_train("--name", shard, "--results", str(results), "--set", f"model.shard={shard}")
+    ours, theirs = records(results / shard), records(one_process)
+    assert theirs[0]["frac_zero_std"] < 1  # some group had mixed rewards: the update moved the weights
+    assert [r["step"] for r in ours] == [1, 2]
+    assert "eval/pass@1" in ours[-1]  # rank 0's held-out check, at step 2
+    for mine, alone in zip(ours, theirs, strict=True):
+        assert mine.keys() == alone.keys()
+        for key in ("reward/mean", "len/mean", "eval/greedy", "eval/pass@1"):
+            assert mine.get(key) == pytest.approx(alone.get(key), abs=1e-5), key
+    load = lambda name: load_file(results / name / "model" / "model.safetensors")  # noqa: E731
+    assert_same_weights(load(one_process.name), load(shard))
+
+
+def test_an_evaluation_over_two_processes_is_the_one_process_evaluation(results, one_process):
+    """`atrctl eval --nproc 2 --backend vllm`: 3 sampling chunks (rank 0 takes two, rank 1 one) and one greedy
+    block (rank 0's alone), so each rank joins engine calls it has no prompts for; the figures are the 1-process
+    figures."""
+    model = str(one_process / "model")
+    flags = ["--task", "arith", "--task-arg", "digits=1", "--n", "4", "--problems", "6", "--batch-size", "8",
+             "--max-new-tokens", "6", "--backend", "vllm", "--device", "cpu"]  # fmt: skip
+    assert main(["eval", model, *flags, "--out", str(results / "eval-one")]) == 0
+    env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "atrctl",
+        "eval",
+        model,
+        *flags,
+        "--nproc",
+        "2",
+        "--out",
+        str(results / "eval-two"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = ((results / name / "passk.csv").read_text() for name in ("eval-one", "eval-two"))
+    assert one == two and one.splitlines()[-1].startswith("4,")  # pass@k up to k = n = 4
