@@ -13,6 +13,7 @@ import torch
 from helpers import fast, recipe_maker
 from safetensors.torch import load_file
 from test_distributed import assert_same_weights  # the data-parallel tests' tolerance
+from test_rollback import fail_sampling
 
 from atrctl.cli import main
 from atrctl.training.loop import train
@@ -55,6 +56,19 @@ def test_a_resumed_vllm_run_ends_where_an_uninterrupted_one_does(results):
     assert all(abs(r["mismatch/log_ratio/max"]) < 1e-4 for r in straight if "mismatch/log_ratio/max" in r)
     a, b = (load_file(results / name / "model" / "model.safetensors") for name in ("straight", "resumed"))
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_after_an_undone_update_the_engine_samples_the_restored_weights(results, monkeypatch):
+    """Step 3's sampling is made to fail: step 2's update is undone in the trainer and must be in the engine
+    too, or the steps after it sample from weights the trainer no longer has (a log-ratio between engine and
+    trainer far above float noise)."""
+    fail_sampling(monkeypatch, {3})
+    summary = train(recipe("run.steps=4", "run.max_bad_steps=2", "eval.every=100"), results / "undone", results=results)
+    assert summary["skipped_steps"] == 1
+    steps = [r for r in records(results / "undone") if "step" in r]
+    assert [r["skipped_steps"] for r in steps] == [0, 0, 1, 1]
+    after = [r["mismatch/log_ratio/max"] for r in steps[2:]]  # the steps sampled after the undo
+    assert all(abs(r.get("mismatch/log_ratio/max", 0)) < 1e-4 for r in steps) and len(after) == 2
 
 
 # Under torchrun: one prompt per sampling chunk (the 1-process chunks, so the same per-prompt seeds) and rank 0's
