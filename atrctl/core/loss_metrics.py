@@ -41,17 +41,28 @@ def clip_fractions(
     (`clip/low/<bin>`, `clip/high/<bin>`): the share of all masked entries that the clip removed and that lie
     in the bin, so each split sums to its total.  Where the mass is clipped is what distinguishes the
     regions: KL3's lower bound is tighter than its upper one, and a band's width follows p_old itself."""
-    count = mask.sum().clamp(min=1)
     above, below = ratio > high, ratio < low
-    positive, negative = advantages > 0, advantages < 0
-    removed = {"low": below & negative & mask, "high": above & positive & mask}
+    negative = advantages < 0
+    fractions = removed_fractions(below & negative, above & (advantages > 0), mask, bins, outside=above | below)
+    if dual_clip is not None:
+        fractions["clip/dual"] = ((ratio > dual_clip) & negative & mask).sum() / mask.sum().clamp(min=1)
+    return fractions
+
+
+def removed_fractions(
+    low: Tensor, high: Tensor, mask: Tensor, bins: Tensor | None = None, outside: Tensor | None = None
+) -> dict[str, Tensor]:
+    """clip/low and clip/high from where a loss removed (or cut) the gradient: `low` the tokens it stops from
+    falling further, `high` those it stops from rising; clip/region the tokens `outside` its region (by default
+    the removed ones).  With `bins` both are also split by p_old, as `clip_fractions` does."""
+    count = mask.sum().clamp(min=1)
+    removed = {"low": low & mask, "high": high & mask}
+    outside = (low | high) if outside is None else outside
     fractions = {
         "clip/low": removed["low"].sum() / count,
         "clip/high": removed["high"].sum() / count,
-        "clip/region": ((above | below) & mask).sum() / count,
+        "clip/region": (outside & mask).sum() / count,
     }
-    if dual_clip is not None:
-        fractions["clip/dual"] = ((ratio > dual_clip) & negative & mask).sum() / count
     if bins is not None:
         for side, where in removed.items():
             per_bin = cell_sums(bins, where, len(OLD_PROBABILITY_BINS), where.float())[0] / count

@@ -7,7 +7,8 @@ Every ratio-clip method here is one surrogate with a per-token interval [l_t, u_
 
 and differs only in where l and u come from: a constant interval from
 `atrctl.core.divergence` (grpo, dapo, atr, kl2, reverse-kl3, any divergence) or a per-token
-band from `atrctl.core.bands`.  GSPO and CISPO are the comparison baselines.
+band from `atrctl.core.bands`.  GSPO and CISPO are the comparison baselines; the rest of the peers' family
+(soft gates, masks, geometric means, covariance selections) is in `atrctl.core.loss_family`.
 
     from atrctl.core.losses import policy_loss
     loss, metrics = policy_loss(logp, old_logp, advantages, mask, algo="atr", max_kl3=0.1)
@@ -20,10 +21,8 @@ by `atrctl.core.loss_metrics` (plain floats with the names of docs/design.md §3
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -32,7 +31,10 @@ from torch import Tensor
 from atrctl.core.aggregation import AGGREGATIONS, aggregate
 from atrctl.core.bands import kl_band_bounds, tv_band_bounds
 from atrctl.core.divergence import TRUST_REGIONS, kl3_of_log_ratio, region_defaults, trust_region
+from atrctl.core.loss_family import FAMILY  # registers the rest of the peers' family
 from atrctl.core.loss_metrics import clip_fractions, diagnostics, old_probability_bin
+from atrctl.core.loss_registry import POLICY_LOSSES, check_dual_clip, check_positive, define_loss, register_policy_loss
+from atrctl.core.surrogate import clipped_surrogate
 from atrctl.core.tokens import Bound, Tokens, aligned, masked_log_ratio, prepare_tokens
 
 
@@ -46,81 +48,12 @@ class LossOutput(NamedTuple):
 # ---------------------------------------------------------------- the surrogate
 
 
-def clipped_surrogate(ratio: Tensor, advantages: Tensor, low: Bound, high: Bound, dual_clip: float | None = None):
-    """Per-token PPO loss -min(w·A, clip(w, l, u)·A) (Schulman et al., 2017) for float or tensor bounds.
-
-    The min lets the clip bind only in the direction A pushes: for A > 0 a token with
-    w > u has zero gradient, for A < 0 one with w < l; every other token gets -A·w·∇logp.
-    With `dual_clip` c (Ye et al., 2020, dual-clip PPO) the loss of an A < 0 token is
-    also capped at c·|A|, so one very unlikely-now token cannot dominate the batch.
-    """
-    if isinstance(low, Tensor) or isinstance(high, Tensor):
-        low, high = (torch.as_tensor(b, dtype=ratio.dtype, device=ratio.device) for b in (low, high))
-    loss = torch.maximum(-ratio * advantages, -ratio.clamp(low, high) * advantages)
-    if dual_clip is not None:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
-    return loss
-
-
 def _ratio_clip(tokens: Tokens, low: Bound, high: Bound, dual_clip: float | None):
     adv = tokens.advantages
     return (
         clipped_surrogate(tokens.ratio, adv, low, high, dual_clip),
         clip_fractions(tokens.ratio, adv, low, high, tokens.mask, dual_clip, old_probability_bin(tokens.old_logp)),
     )
-
-
-# ----------------------------------------------------------------- the loss contract
-
-
-LossFunction = Callable[..., tuple[Tensor, dict[str, Tensor]]]
-"""loss(tokens, **params) -> (per-token loss [B, T], clip metrics)."""
-
-
-@dataclass(frozen=True)
-class PolicyLoss:
-    """A registered policy loss and what the rest of atrctl reads of it, declared once: recipe validation,
-    `atrctl ls`, export and the integrations read `parameters`; `atrctl ls` reads `objective`; the update's
-    zero-advantage skip reads `needs_every_row`."""
-
-    function: LossFunction
-    parameters: tuple[tuple[str, object], ...]  # keyword parameters and their defaults (None: no default)
-    objective: str = "surrogate"  # its value: -min(w·A, clip(w)·A), so -A at w = 1; or "weighted-logp" (-w·A·logp)
-    needs_every_row: bool = False  # a term without A (say, a penalty on w): rows whose A is 0 still have a gradient
-
-    def __call__(self, tokens: Tokens, **params) -> tuple[Tensor, dict[str, Tensor]]:
-        return self.function(tokens, **params)
-
-
-def define_loss(
-    function: LossFunction, *, parameters_from: tuple[Callable, ...] = (), objective: str = "surrogate",
-    needs_every_row: bool = False,
-) -> PolicyLoss:  # fmt: skip
-    """The PolicyLoss of `function`, its parameters read from its keyword parameters (or from those of
-    `parameters_from`, for a function that passes them on)."""
-    params: dict[str, object] = {}
-    for source in parameters_from or (function,):
-        for parameter in inspect.signature(source).parameters.values():
-            if parameter.kind is inspect.Parameter.KEYWORD_ONLY or (
-                parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-                and parameter.default is not inspect.Parameter.empty
-            ):
-                params[parameter.name] = None if parameter.default is inspect.Parameter.empty else parameter.default
-    return PolicyLoss(function, tuple(params.items()), objective, needs_every_row)
-
-
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-"""name -> PolicyLoss: every loss a recipe, an arm or an integration may name."""
-
-
-def register_policy_loss(name: str, *, objective: str = "surrogate", needs_every_row: bool = False):
-    """Register the decorated loss function under `name`: one function and this line make a new loss."""
-
-    def register(function: LossFunction) -> LossFunction:
-        POLICY_LOSSES[name] = define_loss(function, objective=objective, needs_every_row=needs_every_row)
-        return function
-
-    return register
 
 
 # ----------------------------------------------------------------- the losses
@@ -139,21 +72,21 @@ def _trust_region_loss(name: str, tokens: Tokens, *, dual_clip: float | None = N
     (the KL3 trust region); kl2, reverse-kl3 and divergence(measure, delta): {D(w) <= δ}.
     """
     low, high = _cached_region(name, tuple(sorted(region.items())))
-    return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))
+    return _ratio_clip(tokens, low, high, check_dual_clip(dual_clip))
 
 
 @register_policy_loss("tv-band")
 def _tv_band(tokens: Tokens, *, delta: float = 0.2, dual_clip: float | None = None):
     """|p_new - p_old| <= δ per token (DPPO, BandPO); δ = 0.2 matches grpo's l = 0.8 at p_old = 1."""
     low, high = tv_band_bounds(tokens.old_logp, delta)
-    return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))
+    return _ratio_clip(tokens, low, high, check_dual_clip(dual_clip))
 
 
 @register_policy_loss("kl-band")
 def _kl_band(tokens: Tokens, *, delta: float = 0.1, dual_clip: float | None = None):
     """KL(Bern(p_old) || Bern(p_new)) <= δ per token (DPPO, BandPO); at small p_old it tends to KL3 <= δ/p_old."""
     low, high = kl_band_bounds(tokens.old_logp, delta)
-    return _ratio_clip(tokens, low, high, _check_dual_clip(dual_clip))
+    return _ratio_clip(tokens, low, high, check_dual_clip(dual_clip))
 
 
 @register_policy_loss("gspo")
@@ -166,7 +99,7 @@ def _gspo(tokens: Tokens, *, eps_low: float = 3e-4, eps_high: float = 4e-4, dual
     and kl3 metrics stay per token.  Defaults are the paper's.
     """
     low, high = _cached_region("dapo", (("eps_high", eps_high), ("eps_low", eps_low)))
-    dual_clip = _check_dual_clip(dual_clip)
+    dual_clip = check_dual_clip(dual_clip)
     lengths = tokens.mask.sum(dim=1)
     per_seq = lengths.clamp(min=1)
     seq_ratio = (tokens.log_ratio.sum(dim=1) / per_seq).exp()
@@ -183,7 +116,7 @@ def _cispo(tokens: Tokens, *, eps_low: float = 1.0, eps_high: float = 0.28):
     (l = 0) follows the paper, which set no lower bound.  Its value is a weighted log-likelihood,
     not the surrogate's, so it declares its `objective`.
     """
-    eps_low, eps_high = _check_positive(eps_low, "eps_low"), _check_positive(eps_high, "eps_high")
+    eps_low, eps_high = check_positive(eps_low, "eps_low"), check_positive(eps_high, "eps_high")
     low, high = max(0.0, 1.0 - eps_low), 1.0 + eps_high
     weight = tokens.ratio.clamp(low, high).detach()
     bins = old_probability_bin(tokens.old_logp)
@@ -202,7 +135,7 @@ POLICY_LOSSES.update(
         for name in TRUST_REGIONS
     }
 )
-POLICY_LOSSES.update({name: POLICY_LOSSES.pop(name) for name in ("tv-band", "kl-band", "gspo", "cispo")})
+POLICY_LOSSES.update({name: POLICY_LOSSES.pop(name) for name in ("tv-band", "kl-band", "gspo", "cispo", *FAMILY)})
 
 
 def loss_parameters(name: str) -> dict[str, object]:
@@ -238,29 +171,6 @@ def flag_parameters(
 def loss_objective(name: str) -> str:
     """What a loss's value is (`PolicyLoss.objective`); every loss's gradient at w = 1 is -A·∇logp either way."""
     return POLICY_LOSSES[name].objective
-
-
-def _strict_float(value: float, name: str) -> float:
-    """float(value) for a number; a string or a boolean is refused (`float()` reads "0.05", "０.２" and "1_0")."""
-    if isinstance(value, str | bool):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    return float(value)
-
-
-def _check_positive(value: float, name: str) -> float:
-    value = _strict_float(value, name)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
-
-
-def _check_dual_clip(dual_clip: float | None) -> float | None:
-    if dual_clip is None:
-        return None
-    dual_clip = _strict_float(dual_clip, "dual_clip")
-    if not (math.isfinite(dual_clip) and dual_clip > 1):
-        raise ValueError(f"dual_clip must be a finite number > 1 (or None for off), got {dual_clip}")
-    return dual_clip
 
 
 # ------------------------------------------------------------ KL to reference

@@ -138,15 +138,24 @@ def test_default_parameters():
 @pytest.mark.parametrize("algo", list(POLICY_LOSSES))
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_on_policy_first_pass_is_the_plain_policy_gradient(algo, agg):
-    """At w = 1 no clip binds: every loss's gradient is that of -A·logp under the same aggregation."""
+    """At w = 1 no clip binds: every loss's gradient is that of -A·logp under the same aggregation.  The covariance
+    selections do not look at w: clip-cov removes one token's gradient (its share of this batch rounds up to
+    one), and kl-cov penalises one token by |ln w|, whose gradient at w = 1 is 0."""
     _, old_logp, adv, mask = random_batch(seed=5)
     logp = old_logp.clone().requires_grad_()
     loss, metrics = policy_loss(logp, old_logp, adv, mask, algo=algo, agg=agg, max_new_tokens=16)
     plain = aggregate(-adv[:, None] * logp, mask, agg, max_new_tokens=16)
-    torch.testing.assert_close(grad_of(loss, logp), grad_of(plain, logp), rtol=1e-6, atol=1e-9)
-    if loss_objective(algo) == "surrogate":  # the surrogate's value at w = 1 is -A (cispo's is -A·logp)
+    ours, theirs = grad_of(loss, logp), grad_of(plain, logp)
+    if algo == "clip-cov":
+        differs = ~torch.isclose(ours, theirs, rtol=1e-6, atol=1e-9)
+        assert int(differs.sum()) == 1 and ours[differs].item() == 0 and metrics["clip/cov"] > 0
+        ours = torch.where(differs, theirs, ours)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-9)
+    if loss_objective(algo) == "surrogate" and algo != "clip-cov":  # -A at w = 1 (cispo's is -A·logp; clip-cov
+        # drops its chosen token's term)
         assert loss.item() == pytest.approx(aggregate(-adv[:, None].expand_as(mask), mask, agg, 16).item(), abs=1e-7)
-    assert metrics["clip/region"] == 0 and metrics["kl3/max"] == 0
+    assert metrics["clip/region"] == pytest.approx(1 / mask.sum().item() if algo == "kl-cov" else 0, abs=1e-9)
+    assert metrics["kl3/max"] == 0
     assert metrics["ratio/min"] == metrics["ratio/max"] == 1
 
 
