@@ -2,9 +2,11 @@
 
 A constant trust region is one clip range in every PPO-style trainer: [l, u] becomes TRL's
 epsilon = 1 − l / epsilon_high = u − 1 and verl's clip_ratio_low / clip_ratio_high, with the token-mean
-aggregation atrctl defaults to.  Anything else (per-token bands, gspo, cispo, a dual clip) needs atrctl's
-own loss inside the trainer: `atrctl.integrations.trl.AtrctlGRPOTrainer` for TRL, and for verl the loss
-registered in verl's policy-loss registry by `atrctl.integrations.verl.register`.
+aggregation atrctl defaults to.  A loss the trainer ships itself (verl's sapo, geo_mean, dppo_tv, …; TRL's
+sapo, delta, off-policy mask) becomes its own settings (`VERL_NATIVE`, `TRL_NATIVE`; tests/core/test_loss_family.py
+checks each mapping against the peer's loss).  Anything else (per-token bands, a dual clip) needs atrctl's own
+loss inside the trainer: `atrctl.integrations.trl.AtrctlGRPOTrainer` for TRL, and for verl the loss registered
+in verl's policy-loss registry by `atrctl.integrations.verl.register`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,44 @@ from atrctl.errors import UserError
 from atrctl.experiments.arms import Arm
 
 TARGETS = ("trl", "verl")
+
+ACTOR = "actor_rollout_ref.actor"
+
+# atrctl loss -> (verl's loss_mode, {atrctl parameter: verl actor setting}): the losses verl 0.9 implements itself.
+VERL_NATIVE: dict[str, tuple[str, dict[str, str]]] = {
+    "sapo": ("sapo", {"tau_pos": "tau_pos", "tau_neg": "tau_neg"}),
+    "gmpo": ("geo_mean", {"eps_low": "clip_ratio_low", "eps_high": "clip_ratio_high"}),
+    "dppo-tv": ("dppo_tv", {"delta_low": "clip_ratio_low", "delta_high": "clip_ratio_high", "tis_cap": "clip_ratio_c"}),
+    "dppo-kl": ("dppo_kl", {"delta_low": "clip_ratio_low", "delta_high": "clip_ratio_high", "tis_cap": "clip_ratio_c"}),
+    "clip-cov": (
+        "clip_cov",
+        {
+            "eps_low": "clip_ratio_low",
+            "eps_high": "clip_ratio_high",
+            "share": "policy_loss.clip_cov_ratio",
+            "cov_low": "policy_loss.clip_cov_lb",
+            "cov_high": "policy_loss.clip_cov_ub",
+        },
+    ),  # fmt: skip
+    "kl-cov": ("kl_cov", {"share": "policy_loss.kl_cov_ratio", "coef": "policy_loss.ppo_kl_coef"}),
+    "gpg": ("gpg", {}),
+    "gspo": ("gspo", {"eps_low": "clip_ratio_low", "eps_high": "clip_ratio_high"}),
+    "cispo": ("cispo", {"eps_low": "clip_ratio_low", "eps_high": "clip_ratio_high"}),
+}
+VERL_AGGREGATION = {"sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean"}
+"""What verl aggregates these by whatever loss_agg_mode says (sapo), or in effect (geo_mean's mean over rows)."""
+
+# atrctl loss -> {GRPOConfig field: value or the atrctl parameter it takes}: what TRL 1.16's GRPOConfig trains itself.
+TRL_NATIVE: dict[str, dict[str, object]] = {
+    "sapo": {"loss_type": "sapo", "sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"},
+    "two-sided": {"loss_type": "dapo", "epsilon": "eps_low", "epsilon_high": "eps_high", "delta": "delta"},
+    "opsm": {
+        "loss_type": "dapo",
+        "epsilon": "eps_low",
+        "epsilon_high": "eps_high",
+        "off_policy_mask_threshold": "max_kl",
+    },  # fmt: skip
+}
 
 
 def constant_region(arm: Arm) -> tuple[float, float] | None:
@@ -31,7 +71,7 @@ def constant_region(arm: Arm) -> tuple[float, float] | None:
 def describe(arm: Arm, region: tuple[float, float] | None) -> str:
     shown = ", ".join(f"{k}={v}" for k, v in {**loss_parameters(arm.loss), **dict(arm.params)}.items() if v is not None)
     where = f": ratio interval [{region[0]:.6f}, {region[1]:.6f}]" if region else ""
-    return f"{arm.loss} ({shown}){where}"
+    return f"{arm.loss} ({shown}){where}" if shown else f"{arm.loss}{where}"
 
 
 def export(arm: Arm, target: str) -> str:
@@ -46,8 +86,41 @@ def export(arm: Arm, target: str) -> str:
     except (ValueError, TypeError) as error:
         raise UserError(f"{arm.label}: {error}") from None
     if target == "trl":
-        return _trl(arm, region)
-    return _verl(arm, region) if region is not None else _verl_registered(arm)
+        return _trl_native(arm) if arm.loss in TRL_NATIVE else _trl(arm, region)
+    if region is not None:
+        return _verl(arm, region)
+    return _verl_native(arm) if arm.loss in VERL_NATIVE else _verl_registered(arm)
+
+
+def _values(arm: Arm) -> dict[str, object]:
+    """The arm's parameters over the loss's defaults."""
+    return {**loss_parameters(arm.loss), **dict(arm.params)}
+
+
+def _verl_native(arm: Arm) -> str:
+    mode, settings = VERL_NATIVE[arm.loss]
+    values = _values(arm)
+    lines = [f"{ACTOR}.{setting}={values[name]!r}" for name, setting in settings.items()]
+    agg = VERL_AGGREGATION.get(arm.loss, "token-mean")
+    note = [f"# verl aggregates {mode} by {agg} whatever loss_agg_mode says"] if arm.loss in VERL_AGGREGATION else []
+    head = f"# {describe(arm, None)}: verl's own {mode} (Hydra overrides for verl's trainer)"
+    return (
+        "\n".join([head, *note, f"{ACTOR}.policy_loss.loss_mode={mode}", f"{ACTOR}.loss_agg_mode={agg}", *lines]) + "\n"
+    )
+
+
+def _trl_native(arm: Arm) -> str:
+    values = _values(arm)
+    fields = {field: values[taken] if taken in values else taken for field, taken in TRL_NATIVE[arm.loss].items()}
+    body = "\n".join(f"    {field}={value!r}," for field, value in fields.items())
+    return f"""from trl import GRPOConfig
+
+# {describe(arm, None)}: TRL's own settings{" (TRL aggregates sapo per sequence)" if arm.loss == "sapo" else ""}
+config = GRPOConfig(
+    output_dir="grpo-{arm.loss}",  # and your other settings
+{body}
+)
+"""
 
 
 def _trl(arm: Arm, region: tuple[float, float] | None) -> str:
@@ -78,9 +151,6 @@ trainer = AtrctlGRPOTrainer(
 
 
 def _verl_registered(arm: Arm) -> str:
-    if arm.loss in ("gspo", "cispo") and not arm.params:
-        raise UserError(f"verl has its own {arm.loss} (loss_mode={arm.loss}); atrctl's runs there only as an arm "
-                        f"with parameters, e.g. {arm.loss}:eps_high=0.3")  # fmt: skip
     return f"""# {describe(arm, None)}: not one clip range, so atrctl's own loss runs inside verl.
 # 1. a module verl can import, e.g. atrctl_losses.py:
 #        from atrctl.integrations.verl import register

@@ -15,6 +15,8 @@ from atrctl.core import loss_family
 from atrctl.core.bands import kl_band_bounds, tv_band_bounds
 from atrctl.core.losses import policy_loss
 from atrctl.core.tokens import prepare_tokens
+from atrctl.experiments.arms import parse_arm
+from atrctl.integrations.export import VERL_NATIVE, export
 
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}
 AGGS = ["token-mean", "seq-mean-token-mean"]
@@ -175,6 +177,38 @@ def test_clip_covs_draw_is_the_same_for_the_same_micro_batch():
     torch.testing.assert_close(first[1], second[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", sorted(VERL_NATIVE))
+def test_an_export_to_verl_trains_verls_own_loss_with_the_same_numbers(name, monkeypatch):
+    """`atrctl export <loss> --to verl` for a loss verl has: its overrides, read into verl's ActorConfig, give
+    verl's loss function atrctl's loss and gradient (non-default parameters, so a dropped setting shows)."""
+    params = {"sapo": {"tau_neg": 2.0}, "gmpo": {"eps_high": 0.3}, "dppo-tv": {"delta_high": 0.3, "tis_cap": 5.0},
+              "dppo-kl": {"tis_cap": 5.0}, "clip-cov": {"share": 0.1, "cov_low": 0.0}, "kl-cov": {"coef": 0.5},
+              "gspo": {"eps_high": 0.2}, "cispo": {"eps_low": 0.3}}.get(name, {})  # fmt: skip
+    text = export(parse_arm(":".join([name, ",".join(f"{k}={v}" for k, v in params.items())]) if params else name),
+                  "verl")  # fmt: skip
+    fields, policy, mode, agg = {}, {}, None, None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, value = line.removeprefix("actor_rollout_ref.actor.").split("=")
+        if key == "policy_loss.loss_mode":
+            mode = value
+        elif key == "loss_agg_mode":
+            agg = value
+        elif key.startswith("policy_loss."):
+            policy[key.removeprefix("policy_loss.")] = float(value)
+        else:
+            fields[key] = float(value)
+    config = actor(policy_loss=policy_config(**policy), **fields)
+    ours_agg = "seq-mean-token-mean" if name in ("sapo", "gmpo") else agg
+    if name == "clip-cov":
+        global_draw(monkeypatch)
+    torch.manual_seed(3)
+    their = theirs(mode, agg, config)
+    torch.manual_seed(3)
+    assert_same(ours(name, ours_agg, **params), their)
+
+
 # ------------------------------------------------------------------ the relations the docstrings state
 
 
@@ -279,3 +313,18 @@ def test_sapos_gate_is_the_policy_gradient_at_w_1_and_half_of_it_at_its_clip_edg
     loss, _ = loss_family._sapo(tokens, tau_pos=tau)
     (grad,) = torch.autograd.grad(loss.sum(), logp)
     torch.testing.assert_close(grad, torch.tensor([[-1.0, -0.5 * edge]]))  # -4σ(1-σ)·w·A
+
+
+@pytest.mark.parametrize("arm", ["sapo:tau_neg=2.0", "two-sided:eps_high=0.28,delta=3.0", "opsm:max_kl=0.3"])
+def test_an_export_to_trl_is_a_grpo_config_with_the_losss_settings(arm):
+    trl = pytest.importorskip("trl")
+    namespace = {}
+    exec(export(parse_arm(arm), "trl"), namespace)  # noqa: S102 - the snippet a user pastes
+    config = namespace["config"]
+    assert isinstance(config, trl.GRPOConfig)
+    expected = {
+        "sapo:tau_neg=2.0": {"loss_type": "sapo", "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 2.0},
+        "two-sided:eps_high=0.28,delta=3.0": {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28, "delta": 3.0},
+        "opsm:max_kl=0.3": {"loss_type": "dapo", "epsilon": 0.2, "off_policy_mask_threshold": 0.3},
+    }[arm]
+    assert {key: getattr(config, key) for key in expected} == expected

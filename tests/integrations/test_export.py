@@ -43,9 +43,8 @@ def test_losses_that_are_not_one_clip_range():
     assert overrides(band) == {"'actor_rollout_ref.actor.policy_loss.loss_mode": '"tv-band:delta=0.1"\'',
                                "actor_rollout_ref.actor.loss_agg_mode": "token-mean"}  # fmt: skip
     assert 'loss_mode="grpo:dual_clip=3"' in export(parse_arm("grpo:dual_clip=3"), "verl")
-    assert 'loss_mode="gspo:eps_high=0.001"' in export(parse_arm("gspo:eps_high=1e-3"), "verl")
-    with pytest.raises(UserError, match="verl has its own gspo"):
-        export(parse_arm("gspo"), "verl")
+    gspo = export(parse_arm("gspo:eps_high=1e-3"), "verl")  # verl's own gspo, with the arm's parameters
+    assert "loss_mode=gspo\n" in gspo and "clip_ratio_high=0.001\n" in gspo
     with pytest.raises(UserError, match="choose one of trl, verl"):
         export(parse_arm("atr"), "openrlhf")
     with pytest.raises(UserError, match="not recipe keys"):
@@ -57,14 +56,13 @@ def test_the_command_prints_the_snippet_and_refuses_in_one_line(capsys):
     assert f"clip_ratio_low={equivalent_clip(0.05)[0]!r}" in capsys.readouterr().out
     assert main(["export", "grpo:eps=0.1", "--eps", "0.3", "--to", "verl"]) == 0  # the arm's own value wins
     assert "clip_ratio_high=0.1" in capsys.readouterr().out
-    assert main(["export", "cispo", "--to", "verl"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: verl has its own cispo") and "\n" not in err
+    assert main(["export", "cispo", "--to", "verl"]) == 0
+    assert "policy_loss.loss_mode=cispo\n" in capsys.readouterr().out
     assert main(["export", "atr:max_kl3=-1"]) == 2
     assert "max_kl3" in capsys.readouterr().err
     assert main(["export", "grpo", "--max-kl3", "0.05"]) == 2  # a flag the loss does not take is not ignored
     assert "grpo takes no max_kl3" in capsys.readouterr().err
     assert main(["export", "tv-band:delta=-1"]) == 2  # values are checked, not only names
     assert "delta must be" in capsys.readouterr().err
-    assert main(["export", "gspo", "--eps-high", "5e-4", "--to", "verl"]) == 0  # the flag reaches the label
-    assert 'loss_mode="gspo:eps_high=0.0005"' in capsys.readouterr().out
+    assert main(["export", "gspo", "--eps-high", "5e-4", "--to", "verl"]) == 0  # the flag reaches verl's setting
+    assert "clip_ratio_high=0.0005\n" in capsys.readouterr().out
