@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import fast, recipe_maker
 from safetensors.torch import load_file
-from test_distributed import assert_same_weights  # the data-parallel tests' tolerance
+from test_distributed import assert_same_weights, torchrun  # the data-parallel tests' tolerance and launcher
 from test_rollback import fail_sampling
 
 from atrctl.cli import main
@@ -77,13 +77,9 @@ TORCHRUN = ["rollout.sample_batch=4", "eval.batch=4", "run.steps=2"]
 
 
 def torchrun_train(*args):
-    env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    sets = [arg for item in (*recipe_settings, *TORCHRUN) for arg in ("--set", item)]
-    done = subprocess.run(
-        [*command, "-m", "atrctl", "train", *sets, *args], capture_output=True, text=True, env=env, timeout=600
-    )  # a rank left out of an engine call would wait for ever
-    assert done.returncode == 0, done.stderr[-3000:]
+    """`atrctl train` under torchrun with 2 processes (a rank left out of an engine call would wait until the
+    timeout)."""
+    torchrun(*[arg for item in (*recipe_settings, *TORCHRUN) for arg in ("--set", item)], *args)
 
 
 @pytest.fixture(scope="module")
@@ -120,18 +116,8 @@ def test_an_evaluation_over_two_processes_is_the_one_process_evaluation(results,
              "--max-new-tokens", "6", "--backend", "vllm", "--device", "cpu"]  # fmt: skip
     assert main(["eval", model, *flags, "--out", str(results / "eval-one")]) == 0
     env = {**os.environ, "ATRCTL_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "atrctl",
-        "eval",
-        model,
-        *flags,
-        "--nproc",
-        "2",
-        "--out",
-        str(results / "eval-two"),
-    ]
+    two = ["--nproc", "2", "--out", str(results / "eval-two")]
+    command = [sys.executable, "-m", "atrctl", "eval", model, *flags, *two]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     one, two = ((results / name / "passk.csv").read_text() for name in ("eval-one", "eval-two"))
