@@ -82,7 +82,7 @@ def compare_table(rows: list[dict], ks: Sequence[int]) -> Table:
 
 def sweep_results_table(rows: list[dict], ks: Sequence[int]) -> Table:
     """A sweep's headline per arm: pass@1, pass@k at the largest k, greedy, final entropy, kl3/mean."""
-    from atrctl.experiments.sweep_report import interval_text
+    from atrctl.experiments.compare_report import interval_text
 
     columns = ["pass@1", f"pass@{max(ks)}", "greedy", "final entropy", "kl3/mean"]
     table = Table(title="sweep: evaluation mean [95% CI]; training mean [seed range]")

@@ -23,6 +23,66 @@ RESAMPLES = 2000
 TRAINING_METRICS = ("reward/mean", "entropy", "kl3/mean", "clip/low", "clip/high")
 
 
+TRAINING = ("final entropy", "clip/low", "clip/high", "kl3/mean", "ratio/min", "ratio/max")
+"""Per-run training figures of the table: the policy's entropy over the last SMOOTHING steps, and the mean
+over all steps of the clip fractions, KL3 per token and each step's ratio extremes."""
+
+
+def training_stats(directory: Path) -> dict[str, float]:
+    """TRAINING of one run, from its metrics.jsonl."""
+    records = RunDir(directory).read_metrics()
+
+    def mean(key: str, last: int | None = None) -> float:
+        values = [r[key] for r in records if key in r][-last if last else None :]
+        return float(np.mean(values)) if values else float("nan")
+
+    stats = {"final entropy": mean("entropy", SMOOTHING)}
+    stats.update({key: mean(key) for key in TRAINING[1:]})
+    return stats
+
+
+def interval_text(row: dict, column: str) -> str:
+    """`mean [low, high]`, or — where nothing was measured (a run whose every row had advantage 0 logs no
+    loss diagnostics)."""
+    if not np.isfinite(row[column]):
+        return "—"
+    return f"{row[column]:.3f} [{row[f'{column} low']:.3f}, {row[f'{column} high']:.3f}]"
+
+
+TRAINING_NOTE = f"""Training figures are the mean [lowest, highest] over an arm's seeds: final entropy = the policy's
+entropy over the last {SMOOTHING} steps; clip/low, clip/high (the share of tokens whose gradient the loss removed or
+cut below half, by side), kl3/mean = means over all steps; ratio range = the mean of each step's lowest and
+highest ratio w."""
+
+
+def training_rows(runs: dict[str, list[Path]]) -> list[dict]:
+    """Per arm, TRAINING as the mean over its seeds and their lowest and highest: how the arms trained."""
+    rows = []
+    for label, directories in runs.items():
+        per_seed = [training_stats(directory) for directory in directories]
+        row = {"arm": label, "seeds": len(per_seed)}
+        for key in TRAINING:
+            values = np.array([stats[key] for stats in per_seed])
+            row[key], row[f"{key} low"], row[f"{key} high"] = (
+                float(values.mean()),
+                float(values.min()),
+                float(values.max()),
+            )
+        rows.append(row)
+    return rows
+
+
+def training_markdown(rows: Sequence[dict]) -> str:
+    """The training table: each figure as mean [lowest, highest] over seeds, the ratio range as its means."""
+    columns = TRAINING[:4]
+    lines = ["| arm | seeds | " + " | ".join(columns) + " | ratio range |", "|" + "---|" * (len(columns) + 3)]
+    for row in rows:
+        ratio = f"{row['ratio/min']:.3f}–{row['ratio/max']:.3f}" if np.isfinite(row["ratio/min"]) else "—"
+        cells = [interval_text(row, column) for column in columns]
+        lines.append(f"| {row['arm']} | {row['seeds']} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
 def two_level_bootstrap(arrays: Sequence[np.ndarray], resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
     """Bootstrap means of several [seeds, problems] arrays: [resamples, arms].
 
@@ -209,6 +269,8 @@ def write_report(
     problems = len(next(iter(results.values()))[0].correct)
     title = f"pass@k: {problems} held-out problems, n = {n}\nmean over seeds, {LEVEL:.0%} CI (problems and seeds)"
     save_figure(plot_passk_curves(curves, title), directory / "passk.png")
+    trained = training_rows(runs)
+    atomic.write_text(directory / "training.csv", pd.DataFrame(trained).to_csv(index=False))
     save_figure(training_figure(runs), directory / "training.png")
     save_figure(mechanism_figure(runs), directory / "mechanism.png")
     save_figure(bounds_figure(deltas, eps), directory / "bounds.png")
@@ -238,6 +300,9 @@ def write_report(
 ![pass@k](passk.png)
 
 ## Training
+
+{training_markdown(trained)}
+{TRAINING_NOTE}
 
 ![training curves](training.png)
 

@@ -11,7 +11,6 @@ updates moved the policy) and what was allowed (the width u − l of the ratio i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -20,32 +19,17 @@ from atrctl.experiments.compare_report import (
     LEVEL,
     RESAMPLES,
     SMOOTHING,
+    TRAINING,
     comparison_table,
+    interval_text,
     mechanism_figure,
     save_figure,
     table_markdown,
     table_metrics,
     training_figure,
+    training_rows,
 )
 from atrctl.files import atomic
-from atrctl.training.rundir import RunDir
-
-TRAINING = ("final entropy", "clip/low", "clip/high", "kl3/mean", "ratio/min", "ratio/max")
-"""Per-run training figures of the table: the policy's entropy over the last SMOOTHING steps, and the mean
-over all steps of the clip fractions, KL3 per token and each step's ratio extremes."""
-
-
-def training_stats(directory: Path) -> dict[str, float]:
-    """TRAINING of one run, from its metrics.jsonl."""
-    records = RunDir(directory).read_metrics()
-
-    def mean(key: str, last: int | None = None) -> float:
-        values = [r[key] for r in records if key in r][-last if last else None :]
-        return float(np.mean(values)) if values else float("nan")
-
-    stats = {"final entropy": mean("entropy", SMOOTHING)}
-    stats.update({key: mean(key) for key in TRAINING[1:]})
-    return stats
 
 
 def region_of(recipe) -> tuple[float, float] | None:
@@ -73,33 +57,19 @@ def sweep_rows(sweep, evaluations: dict[str, list], ks: Sequence[int]) -> tuple[
     evaluated = {row["row"]: row for row in table[: len(order)]}
     metrics = table_metrics(table, ks)
     runs = arm_runs(comparison)
+    trained = {row["arm"]: row for row in training_rows(runs)}
     rows = []
     for arm in comparison.arms:
         row = {"arm": arm.label, "loss": arm.loss or "run", **sweep.points.get(arm.label, {})}
         row["seeds"] = evaluated[arm.label]["seeds"]
         for metric in metrics:
             row.update({k: evaluated[arm.label][k] for k in (metric, f"{metric} low", f"{metric} high")})
-        per_seed = [training_stats(directory) for directory in runs[arm.label]]
-        for key in TRAINING:
-            values = np.array([stats[key] for stats in per_seed])
-            row[key], row[f"{key} low"], row[f"{key} high"] = (
-                float(values.mean()),
-                float(values.min()),
-                float(values.max()),
-            )
+        row.update({key: value for key, value in trained[arm.label].items() if key not in ("arm", "seeds")})
         region = region_of(arm_recipe(comparison.recipe, arm, "", comparison.loss_args)) if arm.loss else None
         row["l"], row["u"] = region if region else (float("nan"), float("nan"))
         row["width"] = row["u"] - row["l"]
         rows.append(row)
     return rows, table[len(order) :]
-
-
-def interval_text(row: dict, column: str) -> str:
-    """`mean [low, high]`, or — where nothing was measured (a run whose every row had advantage 0 logs no
-    loss diagnostics)."""
-    if not np.isfinite(row[column]):
-        return "—"
-    return f"{row[column]:.3f} [{row[f'{column} low']:.3f}, {row[f'{column} high']:.3f}]"
 
 
 def sweep_markdown(rows: Sequence[dict], metrics: Sequence[str]) -> str:

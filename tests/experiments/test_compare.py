@@ -72,7 +72,8 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkey
     for run in ("grpo", "atr"):  # the training children write theirs to their logs
         log = (directory / "runs" / f"{run}-s0.log").read_text()
         assert "\x1b" not in log and f"train {run}  2/2  reward " in log
-    for name in ("passk.md", "passk.csv", "passk.png", "training.png", "bounds.png", "report.md", "compare.json"):
+    for name in ("passk.md", "passk.csv", "passk.png", "training.csv", "training.png", "bounds.png", "report.md",
+                 "compare.json"):  # fmt: skip
         assert (directory / name).stat().st_size > 0, name
     for run in ("grpo-s0", "atr-s0"):
         summary = json.loads((directory / "runs" / run / "summary.json").read_text())
@@ -83,6 +84,7 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkey
     report = (directory / "report.md").read_text()
     assert "atrctl compare grpo atr" in report and "| atr − grpo | 1 |" in report
     assert "problem noise only" in report  # one seed: the report says what its intervals cover
+    assert "| arm | seeds | final entropy | clip/low | clip/high | kl3/mean | ratio range |" in report
     assert "atr − grpo" in out
     if wandb:  # each run's W&B run is grouped under the comparison and gets its evaluation
         for arm in ("grpo", "atr"):
@@ -172,3 +174,26 @@ def test_mechanism_summary_divides_summed_shares_over_every_step_and_seed(tmp_pa
     (tmp_path / "gspo").mkdir()  # gspo clips sequences: it logs token shares but no binned clip, which is not 0
     (tmp_path / "gspo" / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens/neg/p00-10": 0.3}) + "\n")
     assert np.isnan(mechanism_summary([tmp_path / "gspo"])["clip/low/{bin}"][0])
+
+
+def test_the_training_table_gives_each_arms_mean_and_seed_range(tmp_path):
+    """Final entropy over the last SMOOTHING steps, the other figures over all steps, then mean [min, max] over
+    seeds; a figure no step logged is a dash."""
+    from atrctl.experiments.compare_report import training_markdown, training_rows
+    from atrctl.reports.curves import SMOOTHING
+
+    def run(name, clip_low, entropy):
+        directory = tmp_path / name
+        directory.mkdir()
+        records = [{"step": i + 1, "entropy": entropy if i >= 2 else 9.0, "clip/low": clip_low, "clip/high": 0.0,
+                    "kl3/mean": 0.01, "ratio/min": 0.5, "ratio/max": 2.0} for i in range(SMOOTHING + 2)]  # fmt: skip
+        (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return directory
+
+    rows = training_rows({"a": [run("a0", 0.1, 1.0), run("a1", 0.3, 2.0)], "b": [run("b0", 0.2, 1.5)]})
+    seed_range = (rows[0]["clip/low low"], rows[0]["clip/low high"])
+    assert rows[0]["clip/low"] == pytest.approx(0.2) and seed_range == pytest.approx((0.1, 0.3))
+    assert rows[0]["final entropy"] == pytest.approx(1.5)  # the first two steps' 9.0 are not in the last SMOOTHING
+    table = training_markdown(rows)
+    assert "| a | 2 | 1.500 [1.000, 2.000] | 0.200 [0.100, 0.300] | 0.000 [0.000, 0.000] |" in table
+    assert "| b | 1 |" in table and "0.500–2.000" in table

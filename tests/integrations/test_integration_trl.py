@@ -111,6 +111,33 @@ def test_atr_through_atrctl_equals_trls_own_loss_with_the_equivalent_clip(tmp_pa
     assert clipped["atrctl/clip/low"][0] > 0 and clipped["atrctl/clip/high"][0] > 0  # both sides of the region bind
 
 
+@pytest.mark.parametrize(
+    ("loss", "trl_settings", "params", "agg"),
+    [
+        ("sapo", {"loss_type": "sapo"}, {}, "seq-mean-token-mean"),  # TRL's default temperatures, 1 and 1.05
+        ("sapo", {"loss_type": "sapo", "sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5},
+         {"tau_pos": 2.0, "tau_neg": 0.5}, "seq-mean-token-mean"),
+        ("two-sided", {"loss_type": "dapo", "epsilon": 0.2, "delta": 4.0}, {}, "token-mean"),
+        ("two-sided", {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28, "delta": 1.5},
+         {"eps_high": 0.28, "delta": 1.5}, "token-mean"),
+    ],
+)  # fmt: skip
+def test_a_loss_trl_ships_gives_trls_own_loss_and_gradients(tmp_path, model_dir, loss, trl_settings, params, agg):
+    """TRL's sapo and its two-sided clip (`delta`) through TRL's own _compute_loss, against atrctl's sapo and
+    two-sided losses inside the same trainer, on one batch with padding and ratios from ~0.2 to ~5."""
+    theirs = trainer(trl.GRPOTrainer, model_dir, config(tmp_path, make=trl.GRPOConfig, **trl_settings))
+    plain = config(tmp_path, make=trl.GRPOConfig)
+    ours = trainer(AtrctlGRPOTrainer, model_dir, plain, atrctl_loss=loss, loss_params=params, agg=agg)
+    inputs = one_batch(theirs, seed=1)
+    loss_value, grads = loss_and_grads(theirs, inputs)
+    our_loss, our_grads = loss_and_grads(ours, inputs)
+    assert loss_value.abs() > 1e-3 and torch.allclose(our_loss, loss_value, rtol=1e-6, atol=1e-7)
+    for name, grad in grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    if loss == "two-sided" and params:  # δ = 1.5 binds on this batch (δ = 4 lies beyond its largest ratio)
+        assert ours._metrics["train"]["atrctl/clip/dual"][0] > 0
+
+
 @pytest.mark.slow
 def test_three_steps_with_atr_grpo_config_equal_the_epsilons_set_by_hand(tmp_path, model_dir):
     eps_low, eps_high = equivalent_clip(0.1)
