@@ -39,10 +39,12 @@ def plot_bounds(
     figure_path = bounds_table.figure_path(out, fmt and fmt.value, max_kl3)
 
     methods, sweep = bounds_table.method_rows(max_kl3, eps, eps_high), bounds_table.sweep_rows()
+    family = bounds_table.family_rows()
     console.print(tables.methods_table(methods))
     console.print(tables.sweep_table(sweep))
+    console.print(tables.family_table(family))
     try:
-        csv_path = bounds_table.write_bounds(figure_path, max_kl3, eps, methods, sweep)
+        csv_path = bounds_table.write_bounds(figure_path, max_kl3, eps, methods, sweep, family)
     except OSError as error:
         raise UserError(f"--out {figure_path}: cannot write ({error.strerror}); choose a writable path") from None
     console.print(f"wrote {figure_path} and {csv_path}")

@@ -12,6 +12,18 @@ from rich.table import Table
 def methods_table(rows) -> Table:
     table = Table(title=r"Trust regions in ratio space: clip w = π_θ/π_old to \[l, u]")
     table.caption = "TRL: epsilon / epsilon_high; verl: clip_ratio_low / clip_ratio_high — the same two numbers"
+    return _interval_rows(table, rows)
+
+
+def family_table(rows) -> Table:
+    table = Table(title="Other losses with a constant ratio interval, at their defaults")
+    table.caption = (
+        "not a plain clip: each treats the tokens outside its own way (atrctl ls); its settings: atrctl export"
+    )
+    return _interval_rows(table, rows)
+
+
+def _interval_rows(table: Table, rows) -> Table:
     for column in ("method", "setting", "l", "u", "1 − l", "u − 1", "ln l", "ln u", "TRL / verl settings"):
         table.add_column(column, justify="left" if column in ("method", "setting") else "right")
     for row in rows:
@@ -24,7 +36,7 @@ def methods_table(rows) -> Table:
             f"{row.eps_high:.4f}",
             f"{row.log_low:.4f}",
             f"{row.log_high:.4f}",
-            f"{row.eps_low:.6g} / {row.eps_high:.6g}",
+            f"{row.eps_low:.6g} / {row.eps_high:.6g}" if row.clip_range else f"atrctl export {row.method} --to …",
         )
     return table
 

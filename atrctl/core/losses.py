@@ -31,7 +31,7 @@ from torch import Tensor
 from atrctl.core.aggregation import AGGREGATIONS, aggregate
 from atrctl.core.bands import kl_band_bounds, tv_band_bounds
 from atrctl.core.divergence import TRUST_REGIONS, kl3_of_log_ratio, region_defaults, trust_region
-from atrctl.core.loss_family import FAMILY  # registers the rest of the peers' family
+from atrctl.core.loss_family import FAMILY, INTERVALS  # registers the rest of the peers' family
 from atrctl.core.loss_metrics import clip_fractions, diagnostics, old_probability_bin
 from atrctl.core.loss_registry import POLICY_LOSSES, check_dual_clip, check_positive, define_loss, register_policy_loss
 from atrctl.core.surrogate import clipped_surrogate
@@ -151,6 +151,19 @@ def constant_interval(name: str, params: dict) -> tuple[float, float] | None:
         return None
     given = {**loss_parameters(name), **params}
     return _cached_region(name, tuple(sorted((k, v) for k, v in given.items() if k in region_defaults(name))))
+
+
+def ratio_interval(name: str, params: dict) -> tuple[float, float] | None:
+    """The constant interval [l, u] on the token ratio that the loss `name` bounds with `params` (its defaults for
+    the rest), whatever it does outside it: a trust region's, a family loss's (`loss_family.INTERVALS`) or
+    cispo's weight clip; None for a per-token band, a sequence-level clip or a loss without a region.  For
+    plots and tables; `constant_interval` is the narrower set that is exactly one PPO clip range."""
+    if (interval := constant_interval(name, params)) is not None:
+        return interval
+    given = {**loss_parameters(name), **params}
+    if name == "cispo":
+        return max(0.0, 1.0 - float(given["eps_low"])), 1.0 + float(given["eps_high"])
+    return INTERVALS[name](given) if name in INTERVALS else None
 
 
 def flag_parameters(

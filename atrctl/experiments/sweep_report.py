@@ -33,16 +33,10 @@ from atrctl.files import atomic
 
 
 def region_of(recipe) -> tuple[float, float] | None:
-    """The constant ratio interval [l, u] a run trained with, where its loss has one (the trust regions of
-    `atrctl.core.divergence`, and cispo's weight clip); None for per-token bands and sequence-level clips."""
-    from atrctl.core.losses import constant_interval, loss_parameters
+    """The constant ratio interval [l, u] a run trained with, where its loss has one (`losses.ratio_interval`)."""
+    from atrctl.core.losses import ratio_interval
 
-    loss, args = recipe.algo.loss, {**loss_parameters(recipe.algo.loss), **recipe.algo.args}
-    if (interval := constant_interval(loss, args)) is not None:
-        return interval
-    if loss == "cispo":
-        return max(0.0, 1.0 - float(args["eps_low"])), 1.0 + float(args["eps_high"])
-    return None
+    return ratio_interval(recipe.algo.loss, recipe.algo.args)
 
 
 def sweep_rows(sweep, evaluations: dict[str, list], ks: Sequence[int]) -> tuple[list[dict], list[dict]]:

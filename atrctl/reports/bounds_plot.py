@@ -21,10 +21,14 @@ def _clipped_surrogate(w: np.ndarray, advantage: float, low: float, high: float)
     return np.minimum(w * advantage, np.clip(w, low, high) * advantage)
 
 
-def bounds_figure(max_kl3s: Sequence[float], eps: float) -> Figure:
-    """Three panels: (a) D(w) with levels and regions, (b) the PPO surrogate, (c) [l, u] against delta."""
-    fig = Figure(figsize=(18, 5.6), layout="constrained")
-    ax_div, ax_sur, ax_delta = fig.subplots(1, 3)
+def bounds_figure(max_kl3s: Sequence[float], eps: float, intervals: Sequence = ()) -> Figure:
+    """Three panels: (a) D(w) with levels and regions, (b) the PPO surrogate, (c) [l, u] against delta; and with
+    `intervals` (rows with method, setting, low, high, clip_range) a fourth, (d), every constant interval."""
+    fig = Figure(figsize=(23 if intervals else 18, 5.6), layout="constrained")
+    axes = fig.subplots(1, 4 if intervals else 3)
+    ax_div, ax_sur, ax_delta = axes[:3]
+    if intervals:
+        _intervals_panel(axes[3], intervals)
     deltas = sorted(max_kl3s)
     alphas = np.linspace(0.22, 0.1, len(deltas))
 
@@ -102,3 +106,23 @@ def bounds_figure(max_kl3s: Sequence[float], eps: float) -> Figure:
     shown = ", ".join(f"{d:g}" for d in deltas)
     fig.suptitle(f"Policy-divergence trust regions in ratio space — ATR-GRPO max_kl3 = {shown} vs GRPO ε = {eps:g}")
     return fig
+
+
+def _intervals_panel(ax, rows: Sequence) -> None:
+    """(d): each loss's constant ratio interval as a bar on a log axis; a plain clip range solid, an interval a
+    loss treats its own way (a geometric mean, a kept gradient, a weight cap, a mask) hatched."""
+    edge = 0.3  # cispo's l = 0 is drawn from the axis's edge
+    for i, row in enumerate(rows):
+        low = max(row.low, edge)
+        ax.barh(i, row.high - low, left=low, height=0.6, color="tab:red" if row.method == "atr" else GRPO_COLOUR,
+                alpha=0.7 if row.clip_range else 0.25, hatch=None if row.clip_range else "//")  # fmt: skip
+        ax.text(row.high * 1.03, i, f"[{row.low:.3g}, {row.high:.3g}]", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), [row.method for row in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", lw=0.5)
+    ax.set_xscale("log")
+    ax.set_xlim(edge, 3.0)
+    ticks = [0.3, 0.5, 0.8, 1.0, 1.25, 2.0, 3.0]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set(xlabel="ratio w (log scale)", title="(d) constant intervals; hatched: not a plain clip")

@@ -27,6 +27,7 @@ class RegionRow:
     setting: str
     low: float
     high: float
+    clip_range: bool = True  # exactly one PPO clip range; else a loss that only has the interval (its own loss)
 
     @property
     def eps_low(self) -> float:
@@ -46,10 +47,14 @@ class RegionRow:
 
     @property
     def trl(self) -> str:
+        if not self.clip_range:
+            return f"atrctl export {self.method} --to trl"
         return f"epsilon={self.eps_low:.6g}, epsilon_high={self.eps_high:.6g}"
 
     @property
     def verl(self) -> str:
+        if not self.clip_range:
+            return f"atrctl export {self.method} --to verl"
         return f"clip_ratio_low={self.eps_low:.6g}, clip_ratio_high={self.eps_high:.6g}"
 
 
@@ -71,6 +76,22 @@ def method_rows(max_kl3s: Sequence[float], eps: float, eps_high: float) -> list[
     return rows
 
 
+def family_rows() -> list[RegionRow]:
+    """Every other registered loss with a constant ratio interval, at its defaults (`losses.ratio_interval`):
+    the interval it bounds, though not as a plain clip (gmpo's is per token in log space inside a geometric mean,
+    gppo keeps a bounded gradient outside, cispo caps a weight, ...)."""
+    from atrctl.core.divergence import TRUST_REGIONS
+    from atrctl.core.losses import POLICY_LOSSES, loss_parameters, ratio_interval
+
+    rows = []
+    for name in POLICY_LOSSES:
+        if name in TRUST_REGIONS or (interval := ratio_interval(name, {})) is None:
+            continue
+        setting = ", ".join(f"{k}={v:g}" for k, v in loss_parameters(name).items() if isinstance(v, float))
+        rows.append(RegionRow(name, setting, *interval, clip_range=False))
+    return rows
+
+
 def sweep_rows(deltas: Sequence[float] = SWEEP_DELTAS) -> list[RegionRow]:
     return [region_row("atr", max_kl3=delta) for delta in deltas]
 
@@ -78,12 +99,12 @@ def sweep_rows(deltas: Sequence[float] = SWEEP_DELTAS) -> list[RegionRow]:
 CSV_COLUMNS = ("table", "method", "setting", "low", "high", "eps_low", "eps_high", "log_low", "log_high", "trl", "verl")
 
 
-def to_csv(methods: Sequence[RegionRow], sweep: Sequence[RegionRow]) -> str:
-    """Both tables in one tidy CSV (column `table` = methods | sweep), full float precision."""
+def to_csv(methods: Sequence[RegionRow], sweep: Sequence[RegionRow], family: Sequence[RegionRow] = ()) -> str:
+    """The tables in one tidy CSV (column `table` = methods | sweep | family), full float precision."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
-    for table, rows in (("methods", methods), ("sweep", sweep)):
+    for table, rows in (("methods", methods), ("sweep", sweep), ("family", family)):
         for row in rows:
             writer.writerow(
                 [table] + [repr(v) if isinstance(v, float) else v for v in (getattr(row, c) for c in CSV_COLUMNS[1:])]
@@ -92,17 +113,22 @@ def to_csv(methods: Sequence[RegionRow], sweep: Sequence[RegionRow]) -> str:
 
 
 def write_bounds(
-    figure_path: Path, max_kl3s: Sequence[float], eps: float, methods: Sequence[RegionRow], sweep: Sequence[RegionRow]
+    figure_path: Path,
+    max_kl3s: Sequence[float],
+    eps: float,
+    methods: Sequence[RegionRow],
+    sweep: Sequence[RegionRow],
+    family: Sequence[RegionRow] = (),
 ) -> Path:
-    """The figure (format from its suffix) and, beside it, both tables as CSV, each replaced atomically."""
+    """The figure (format from its suffix) and, beside it, the tables as CSV, each replaced atomically."""
     from atrctl.files import atomic
     from atrctl.reports.bounds_plot import bounds_figure
 
     csv_path = figure_path.with_suffix(".csv")
-    figure = bounds_figure(max_kl3s, eps)
+    figure = bounds_figure(max_kl3s, eps, [*methods, *family])
     with atomic.atomic_path(figure_path) as tmp:
         figure.savefig(tmp, format=figure_path.suffix.lstrip("."), dpi=130)
-    atomic.write_text(csv_path, to_csv(methods, sweep))
+    atomic.write_text(csv_path, to_csv(methods, sweep, family))
     return csv_path
 
 

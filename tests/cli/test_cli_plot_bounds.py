@@ -1,6 +1,7 @@
 """`atrctl plot-bounds` end to end, the CLI skeleton, and one-line errors for bad input."""
 
 import csv
+import math
 import subprocess
 import sys
 
@@ -32,6 +33,10 @@ def test_writes_figure_and_csv(tmp_path, capsys):
     assert (round(float(atr["low"]), 6), round(float(atr["high"]), 6)) == (0.616817, 1.516221)
     sweep = [float(r["setting"].split("=")[1]) for r in rows if r["table"] == "sweep"]
     assert sweep == [0.005, 0.01, 0.02, 0.05, 0.1, 0.2]
+    family = {r["method"]: (float(r["low"]), float(r["high"]), r["verl"]) for r in rows if r["table"] == "family"}
+    assert list(family) == ["cispo", "gmpo", "clip-cov", "gppo", "two-sided", "opsm"]  # the others have none
+    assert family["gmpo"][:2] == pytest.approx((math.exp(-0.4), math.exp(0.4)), abs=1e-12)
+    assert family["gppo"] == (0.8, 1.28, "atrctl export gppo --to verl")  # not a plain clip range: its own loss
     printed = capsys.readouterr().out
     assert "0.616817" in printed and "1.516221" in printed and "[l, u]" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fig.csv", "fig.png"]  # no temp files left

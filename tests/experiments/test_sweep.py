@@ -1,6 +1,7 @@
 """`atrctl sweep`: grids, planning and its refusals, the report's figures, and a small sweep end to end."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -95,6 +96,8 @@ def test_region_of_every_kind_of_loss():
     assert region_of(with_loss("dapo")) == pytest.approx((0.8, 1.28))
     assert region_of(with_loss("cispo")) == pytest.approx((0.0, 1.28))
     assert region_of(with_loss("tv-band")) is None and region_of(with_loss("gspo")) is None
+    assert region_of(with_loss("gmpo", eps_high=0.2)) == pytest.approx((math.exp(-0.4), math.exp(0.2)))
+    assert region_of(with_loss("gppo")) == pytest.approx((0.8, 1.28)) and region_of(with_loss("sapo")) is None
 
 
 SWEEP_SETS = [
