@@ -32,7 +32,7 @@ from atrctl.core.aggregation import AGGREGATIONS, aggregate
 from atrctl.core.bands import kl_band_bounds, tv_band_bounds
 from atrctl.core.divergence import TRUST_REGIONS, kl3_of_log_ratio, region_defaults, trust_region
 from atrctl.core.loss_family import FAMILY, INTERVALS  # registers the rest of the peers' family
-from atrctl.core.loss_metrics import clip_fractions, diagnostics, old_probability_bin
+from atrctl.core.loss_metrics import clip_fractions, diagnostics, old_probability_bin, removed_fractions
 from atrctl.core.loss_registry import POLICY_LOSSES, check_dual_clip, check_positive, define_loss, register_policy_loss
 from atrctl.core.surrogate import clipped_surrogate
 from atrctl.core.tokens import Bound, Tokens, aligned, masked_log_ratio, prepare_tokens
@@ -112,17 +112,20 @@ def _gspo(tokens: Tokens, *, eps_low: float = 3e-4, eps_high: float = 4e-4, dual
 def _cispo(tokens: Tokens, *, eps_low: float = 1.0, eps_high: float = 0.28):
     """CISPO (MiniMax-M1, 2025): -sg(clip(w, 1-ε_low, 1+ε_high))·A·logp.
 
-    No token loses its gradient; the clip only caps its weight.  The default ε_low = 1
-    (l = 0) follows the paper, which set no lower bound.  Its value is a weighted log-likelihood,
+    No token loses its gradient; the clip only caps its weight, so it counts as clipped where the cap left less
+    than half of w (w > 2u; clip/high for A > 0, clip/low for A < 0).  The default ε_low = 1 (l = 0) follows
+    the paper, which set no lower bound.  Its value is a weighted log-likelihood,
     not the surrogate's, so it declares its `objective`.
     """
     eps_low, eps_high = check_positive(eps_low, "eps_low"), check_positive(eps_high, "eps_high")
     low, high = max(0.0, 1.0 - eps_low), 1.0 + eps_high
     weight = tokens.ratio.clamp(low, high).detach()
-    bins = old_probability_bin(tokens.old_logp)
-    return -weight * tokens.advantages * tokens.logp, clip_fractions(
-        tokens.ratio, tokens.advantages, low, high, tokens.mask, bins=bins
-    )
+    adv, ratio = tokens.advantages, tokens.ratio
+    cut = ratio > 2 * high  # the cap left less than half of the weight w (below l the weight only grows)
+    outside = (ratio < low) | (ratio > high)
+    fractions = removed_fractions(cut & (adv < 0), cut & (adv > 0), tokens.mask, old_probability_bin(tokens.old_logp),
+                                  outside)  # fmt: skip
+    return -weight * adv * tokens.logp, fractions
 
 
 # Every constant trust region of atrctl.core.divergence is a loss of the same name, with its parameters (and

@@ -349,11 +349,14 @@ def test_gspo_clips_whole_sequences():
 
 
 def test_cispo_keeps_every_gradient_with_a_capped_weight():
-    logp, old_logp, adv, mask = batch([[2.0, 0.5, 1.1]], [1.0])
+    logp, old_logp, adv, mask = batch([[2.0, 0.5, 1.1, 3.0]], [1.0])
     loss, metrics = policy_loss(logp, old_logp, adv, mask, algo="cispo", eps_high=0.28)
-    torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1.28, -0.5, -1.1]]) / 3, rtol=1e-6, atol=0)
-    assert loss.item() == pytest.approx(-(1.28 * logp[0, 0] + 0.5 * logp[0, 1] + 1.1 * logp[0, 2]).item() / 3)
-    assert metrics["clip/high"] == pytest.approx(1 / 3) and metrics["clip/low"] == 0  # no lower bound
+    torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1.28, -0.5, -1.1, -1.28]]) / 4, rtol=1e-6, atol=0)
+    weights = torch.tensor([1.28, 0.5, 1.1, 1.28])
+    assert loss.item() == pytest.approx(-(weights * logp[0]).sum().item() / 4)
+    # clipped: the cap cut the weight below half of w (3 > 2·1.28), not w = 2 (kept 64%); no lower bound
+    assert metrics["clip/high"] == pytest.approx(1 / 4) and metrics["clip/low"] == 0
+    assert metrics["clip/region"] == pytest.approx(2 / 4)
 
 
 # ---------------------------------------------------------------------- bands
