@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from atrctl.files import atomic
-from atrctl.reports.curves import SMOOTHING
+from atrctl.reports.curves import SMOOTHING, arm_colours
 from atrctl.training.rundir import RunDir
 
 LEVEL = 0.95
@@ -173,8 +173,8 @@ def training_figure(runs: dict[str, list[Path]]):
 
 
 MECHANISM_PANELS = (
-    ("clip/low/{bin}", "tokens/neg/{bin}", "clip/low: share of the A<0 tokens\nwhose gradient is removed"),
-    ("clip/high/{bin}", "tokens/pos/{bin}", "clip/high: share of the A>0 tokens\nwhose gradient is removed"),
+    ("clip/low/{bin}", "tokens/neg/{bin}", "clip/low: share of the A<0 tokens\nwhose gradient is removed or halved"),
+    ("clip/high/{bin}", "tokens/pos/{bin}", "clip/high: share of the A>0 tokens\nwhose gradient is removed or halved"),
     ("dlogp/pos/{bin}", None, "mean Δ log p of the A>0 tokens\n(since the rollout)"),
     ("dlogp/neg/{bin}", None, "mean Δ log p of the A<0 tokens\n(since the rollout)"),
 )
@@ -214,8 +214,8 @@ def mechanism_figure(runs: dict[str, list[Path]]):
     width = 0.8 / max(len(runs), 1)
     x = np.arange(len(OLD_PROBABILITY_BINS))
     for (key, _, title), ax in zip(MECHANISM_PANELS, axes, strict=True):
-        for i, (label, summary) in enumerate(summaries.items()):
-            ax.bar(x + (i - (len(runs) - 1) / 2) * width, summary[key], width, label=label)
+        for i, (colour, (label, summary)) in enumerate(zip(arm_colours(len(runs)), summaries.items(), strict=True)):
+            ax.bar(x + (i - (len(runs) - 1) / 2) * width, summary[key], width, label=label, color=colour)
         ax.set_xticks(x, ["p<0.1", "0.1–0.5", "0.5–0.9", "≥0.9"])
         ax.set(title=title, xlabel="p_old of the token")
         ax.axhline(0, color="0.3", lw=0.6)

@@ -111,6 +111,16 @@ def check_metrics(groups: dict[str, list[Path]], metrics: Sequence[str] | None) 
     return list(metrics)
 
 
+def arm_colours(count: int) -> list:
+    """One colour per arm: matplotlib's 10-colour cycle, or its 20 colours when more arms would repeat it (a
+    family comparison has 15)."""
+    from matplotlib import colormaps
+
+    if count <= 10:
+        return [f"C{i}" for i in range(count)]
+    return [colormaps["tab20"](i % 20) for i in range(count)]
+
+
 def curves_figure(groups: dict[str, list[Path]], metrics: Sequence[str], smooth: int = SMOOTHING, title: str = ""):
     """One panel per metric: per group, the mean over its runs of a `smooth`-step trailing moving average,
     and a band over the runs' range when there are several (cut to the shortest of them); x is the step."""
@@ -118,16 +128,17 @@ def curves_figure(groups: dict[str, list[Path]], metrics: Sequence[str], smooth:
 
     fig = Figure(figsize=(4.2 * len(metrics), 4.2), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(metrics)))
+    colours = arm_colours(len(groups))
     for key, ax in zip(metrics, axes, strict=True):
-        for label, directories in groups.items():
+        for colour, (label, directories) in zip(colours, groups.items(), strict=True):
             steps, values = _smoothed(directories, key, smooth)
             if steps is None:
                 continue
             runs = f" ({len(directories)} seeds)" if len(directories) > 1 else ""
-            line = ax.plot(steps, np.nanmean(values, 0), label=f"{label}{runs}", lw=1.6)[0]
+            ax.plot(steps, np.nanmean(values, 0), label=f"{label}{runs}", lw=1.6, color=colour)
             if len(directories) > 1:
                 low, high = np.nanmin(values, 0), np.nanmax(values, 0)
-                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, lw=0)
+                ax.fill_between(steps, low, high, color=colour, alpha=0.2, lw=0)
         ax.set(title=TITLES.get(key, key), xlabel="step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)

@@ -12,6 +12,7 @@ from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and n
 from atrctl.core.passk import EvalResult, avg_at_n
 from atrctl.errors import UserError
 from atrctl.files import atomic
+from atrctl.reports.curves import arm_colours
 
 COLUMNS = ("k", "pass@k", "ci_low", "ci_high", "maj@k")
 Curve = tuple[str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]  # label, ks, mean, low, high
@@ -133,9 +134,9 @@ def plot_passk_curves(curves: Sequence[Curve], title: str) -> Figure:
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
     ticks: set[int] = set()
-    for label, ks, mean, low, high in curves:
-        (line,) = ax.plot(ks, mean, marker="o", ms=4, lw=2, label=label)
-        ax.fill_between(ks, low, high, color=line.get_color(), alpha=0.2, lw=0)
+    for colour, (label, ks, mean, low, high) in zip(arm_colours(len(curves)), curves, strict=True):
+        ax.plot(ks, mean, marker="o", ms=4, lw=2, label=label, color=colour)
+        ax.fill_between(ks, low, high, color=colour, alpha=0.2, lw=0)
         ticks.update(int(k) for k in ks)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(ticks), [str(k) for k in sorted(ticks)])
