@@ -111,6 +111,19 @@ def test_a_loss_verl_implements_gives_verls_loss_and_gradient(name, params, fiel
 
 
 @pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize(("params", "fields"), [({"eps": 0.2}, {}), ({"eps": 0.3}, {"clip_ratio": 0.3,
+                         "clip_ratio_low": 0.3, "clip_ratio_high": 0.3, "clip_ratio_c": 10.0})])  # fmt: skip
+def test_grpo_with_verls_dual_clip_is_verls_vanilla_and_atrctls_default_has_none(params, fields, agg):
+    """verl's vanilla loss caps an A < 0 token's loss at c·|A| (clip_ratio_c, default 3); atrctl's grpo takes that
+    dual clip only when asked, since it removes the gradient of exactly the tokens a trust region should bound."""
+    their = theirs("vanilla", agg, actor(**fields))
+    c = fields.get("clip_ratio_c", 3.0)
+    assert_same(ours("grpo", agg, dual_clip=c, **params), their)
+    plain = ours("grpo", agg, **params)
+    assert plain[0] != pytest.approx(their[0], rel=1e-3)  # the difference, pinned: this batch has w > c with A < 0
+
+
+@pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize(("tau_pos", "tau_neg"), [(1.0, 1.05), (2.0, 0.5)])
 def test_sapo_is_verls_under_seq_mean_token_mean_which_verl_always_uses(tau_pos, tau_neg, agg):
     their = theirs("sapo", agg, actor(tau_pos=tau_pos, tau_neg=tau_neg))  # verl ignores agg for sapo

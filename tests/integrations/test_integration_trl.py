@@ -65,8 +65,9 @@ def test_the_configs_carry_the_regions_clip_range(tmp_path):
         atr_grpo_config(0.1, output_dir=str(tmp_path), use_cpu=True, epsilon=0.2)
 
 
-def one_batch(trainer_, seed=0):
-    """A hand-made micro-batch with padding and ratios on both sides of the region."""
+def one_batch(trainer_, seed=0, spread=0.6):
+    """A hand-made micro-batch with padding and ratios on both sides of the region (spread 0.6: w from ~0.2 to ~5;
+    2: from below 0.05 to above 20)."""
     generator = torch.Generator().manual_seed(seed)
     rows, prompt, completion = 6, 5, 7
     vocab = trainer_.model.config.vocab_size
@@ -83,7 +84,7 @@ def one_batch(trainer_, seed=0):
             trainer_.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), completion,
         )  # fmt: skip
-    inputs["old_per_token_logps"] = logp + 0.6 * torch.randn(logp.shape, generator=generator)  # w from ~0.2 to ~5
+    inputs["old_per_token_logps"] = logp + spread * torch.randn(logp.shape, generator=generator)
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum() * 2  # the window holds two such micro-batches
     return inputs
 
@@ -120,22 +121,38 @@ def test_atr_through_atrctl_equals_trls_own_loss_with_the_equivalent_clip(tmp_pa
         ("two-sided", {"loss_type": "dapo", "epsilon": 0.2, "delta": 4.0}, {}, "token-mean"),
         ("two-sided", {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28, "delta": 1.5},
          {"eps_high": 0.28, "delta": 1.5}, "token-mean"),
+        ("two-sided", {"loss_type": "grpo", "epsilon": 0.2, "delta": 4.0}, {}, "seq-mean-token-mean"),
+        ("opsm", {"loss_type": "dapo", "epsilon": 0.2, "off_policy_mask_threshold": 0.5}, {}, "token-mean"),
+        ("opsm", {"loss_type": "grpo", "epsilon": 0.2, "epsilon_high": 0.28, "off_policy_mask_threshold": 0.2},
+         {"eps_high": 0.28, "max_kl": 0.2}, "seq-mean-token-mean"),
+        ("cispo", {"loss_type": "cispo", "epsilon_high": 5.0}, {"eps_low": 1.0, "eps_high": 4.0}, "token-mean"),
+        ("cispo", {"loss_type": "cispo", "epsilon_high": 1.28}, {"eps_low": 1.0, "eps_high": 0.28}, "token-mean"),
     ],
 )  # fmt: skip
 def test_a_loss_trl_ships_gives_trls_own_loss_and_gradients(tmp_path, model_dir, loss, trl_settings, params, agg):
-    """TRL's sapo and its two-sided clip (`delta`) through TRL's own _compute_loss, against atrctl's sapo and
-    two-sided losses inside the same trainer, on one batch with padding and ratios from ~0.2 to ~5."""
+    """TRL's sapo, two-sided clip (`delta`), off-policy sequence mask and cispo through TRL's own _compute_loss,
+    against atrctl's losses inside the same trainer, on one batch with padding and ratios from below 0.05 to
+    above 20, under each aggregation TRL gives the loss (TRL's cispo cap is 1 + eps_high, with no lower bound)."""
     theirs = trainer(trl.GRPOTrainer, model_dir, config(tmp_path, make=trl.GRPOConfig, **trl_settings))
     plain = config(tmp_path, make=trl.GRPOConfig)
     ours = trainer(AtrctlGRPOTrainer, model_dir, plain, atrctl_loss=loss, loss_params=params, agg=agg)
-    inputs = one_batch(theirs, seed=1)
+    inputs = one_batch(theirs, seed=1, spread=2.0)
+    with torch.no_grad():
+        ratio = (theirs._get_per_token_logps_and_entropies(
+            theirs.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), 7,
+        )[0] - inputs["old_per_token_logps"]).exp()[inputs["completion_mask"].bool()]  # fmt: skip
+    assert ratio.min() < 0.05 and ratio.max() > 20
     loss_value, grads = loss_and_grads(theirs, inputs)
     our_loss, our_grads = loss_and_grads(ours, inputs)
     assert loss_value.abs() > 1e-3 and torch.allclose(our_loss, loss_value, rtol=1e-6, atol=1e-7)
     for name, grad in grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
-    if loss == "two-sided" and params:  # δ = 1.5 binds on this batch (δ = 4 lies beyond its largest ratio)
-        assert ours._metrics["train"]["atrctl/clip/dual"][0] > 0
+    metrics = ours._metrics["train"]
+    if loss == "two-sided":
+        assert metrics["atrctl/clip/dual"][0] > 0  # δ binds on this batch
+    if loss == "opsm":
+        assert 0 < metrics["atrctl/clip/sequence"][0]  # some sequence dropped
 
 
 @pytest.mark.slow
