@@ -98,17 +98,21 @@ def loss_and_grads(trainer_, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in trainer_.model.named_parameters()}
 
 
-def test_atr_through_atrctl_equals_trls_own_loss_with_the_equivalent_clip(tmp_path, model_dir):
-    theirs = trainer(trl.GRPOTrainer, model_dir, config(tmp_path))
-    plain = config(tmp_path, make=trl.GRPOConfig, epsilon=0.05)  # its clip is not used: atrctl's loss replaces it
-    ours = trainer(AtrctlGRPOTrainer, model_dir, plain, atrctl_loss="atr", loss_params={"max_kl3": 0.1})
-    inputs = one_batch(theirs)
+def assert_same_step(theirs, ours, inputs) -> dict:
+    """TRL's trainer and atrctl's in it give the same loss and gradients on `inputs`; atrctl's logged metrics."""
     loss, grads = loss_and_grads(theirs, inputs)
     our_loss, our_grads = loss_and_grads(ours, inputs)
     assert loss.abs() > 1e-3 and torch.allclose(our_loss, loss, rtol=1e-6, atol=1e-7)
     for name, grad in grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
-    clipped = ours._metrics["train"]
+    return ours._metrics["train"]
+
+
+def test_atr_through_atrctl_equals_trls_own_loss_with_the_equivalent_clip(tmp_path, model_dir):
+    theirs = trainer(trl.GRPOTrainer, model_dir, config(tmp_path))
+    plain = config(tmp_path, make=trl.GRPOConfig, epsilon=0.05)  # its clip is not used: atrctl's loss replaces it
+    ours = trainer(AtrctlGRPOTrainer, model_dir, plain, atrctl_loss="atr", loss_params={"max_kl3": 0.1})
+    clipped = assert_same_step(theirs, ours, one_batch(theirs))
     assert clipped["atrctl/clip/low"][0] > 0 and clipped["atrctl/clip/high"][0] > 0  # both sides of the region bind
 
 
@@ -143,12 +147,7 @@ def test_a_loss_trl_ships_gives_trls_own_loss_and_gradients(tmp_path, model_dir,
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), 7,
         )[0] - inputs["old_per_token_logps"]).exp()[inputs["completion_mask"].bool()]  # fmt: skip
     assert ratio.min() < 0.05 and ratio.max() > 20
-    loss_value, grads = loss_and_grads(theirs, inputs)
-    our_loss, our_grads = loss_and_grads(ours, inputs)
-    assert loss_value.abs() > 1e-3 and torch.allclose(our_loss, loss_value, rtol=1e-6, atol=1e-7)
-    for name, grad in grads.items():
-        torch.testing.assert_close(our_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
-    metrics = ours._metrics["train"]
+    metrics = assert_same_step(theirs, ours, inputs)
     if loss == "two-sided":
         assert metrics["atrctl/clip/dual"][0] > 0  # δ binds on this batch
     if loss == "opsm":
