@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -26,15 +25,6 @@ from atrctl.core.tokens import Tokens
 
 FAMILY = ("sapo", "gmpo", "dppo-tv", "dppo-kl", "clip-cov", "kl-cov", "gppo", "two-sided", "opsm", "gpg", "topr")
 """The losses of this module, in the order `atrctl ls` lists them."""
-
-INTERVALS: dict[str, Callable[[dict], tuple[float, float]]] = {
-    "gmpo": lambda p: (math.exp(-float(p["eps_low"])), math.exp(float(p["eps_high"]))),  # per token, in log space
-    **{name: (lambda p: (1 - float(p["eps_low"]), 1 + float(p["eps_high"]))) for name in ("gppo", "two-sided",
-                                                                                       "opsm", "clip-cov")},
-}  # fmt: skip
-"""The constant ratio interval [l, u] each family loss that has one bounds, from its parameters: gmpo's clip of each
-token's log-ratio, and dapo's interval under gppo, two-sided, opsm and clip-cov (which then treat the tokens outside
-it their own ways)."""
 
 HALF_WEIGHT = 2 * math.log(1 + math.sqrt(2))
 """τ·|w - 1| beyond which SAPO's gate 4σ(1 - σ) is below 1/2: σ(x) = (1 ± 1/√2)/2 at |x| = 2·ln(1 + √2) ≈ 1.763."""

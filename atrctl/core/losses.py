@@ -31,7 +31,8 @@ from torch import Tensor
 from atrctl.core.aggregation import AGGREGATIONS, aggregate
 from atrctl.core.bands import kl_band_bounds, tv_band_bounds
 from atrctl.core.divergence import TRUST_REGIONS, kl3_of_log_ratio, region_defaults, trust_region
-from atrctl.core.loss_family import FAMILY, INTERVALS  # registers the rest of the peers' family
+from atrctl.core.family_intervals import family_interval
+from atrctl.core.loss_family import FAMILY  # registers the rest of the peers' family
 from atrctl.core.loss_metrics import clip_fractions, diagnostics, old_probability_bin, removed_fractions
 from atrctl.core.loss_registry import POLICY_LOSSES, check_dual_clip, check_positive, define_loss, register_policy_loss
 from atrctl.core.surrogate import clipped_surrogate
@@ -158,15 +159,10 @@ def constant_interval(name: str, params: dict) -> tuple[float, float] | None:
 
 def ratio_interval(name: str, params: dict) -> tuple[float, float] | None:
     """The constant interval [l, u] on the token ratio that the loss `name` bounds with `params` (its defaults for
-    the rest), whatever it does outside it: a trust region's, a family loss's (`loss_family.INTERVALS`) or
-    cispo's weight clip; None for a per-token band, a sequence-level clip or a loss without a region.  For
-    plots and tables; `constant_interval` is the narrower set that is exactly one PPO clip range."""
-    if (interval := constant_interval(name, params)) is not None:
-        return interval
-    given = {**loss_parameters(name), **params}
-    if name == "cispo":
-        return max(0.0, 1.0 - float(given["eps_low"])), 1.0 + float(given["eps_high"])
-    return INTERVALS[name](given) if name in INTERVALS else None
+    the rest), whatever it does outside it: a trust region's, or one of `family_intervals.FAMILY_INTERVALS`; None
+    for a per-token band, a sequence-level clip or a loss without a region.  For plots and tables;
+    `constant_interval` is the narrower set that is exactly one PPO clip range."""
+    return constant_interval(name, params) or family_interval(name, {**loss_parameters(name), **params})
 
 
 def flag_parameters(

@@ -77,18 +77,16 @@ def method_rows(max_kl3s: Sequence[float], eps: float, eps_high: float) -> list[
 
 
 def family_rows() -> list[RegionRow]:
-    """Every other registered loss with a constant ratio interval, at its defaults (`losses.ratio_interval`):
-    the interval it bounds, though not as a plain clip (gmpo's is per token in log space inside a geometric mean,
-    gppo keeps a bounded gradient outside, cispo caps a weight, ...)."""
-    from atrctl.core.divergence import TRUST_REGIONS
-    from atrctl.core.losses import POLICY_LOSSES, loss_parameters, ratio_interval
+    """Every loss with a constant ratio interval that is not a plain clip of it, at its defaults
+    (`core.family_intervals`, free of torch): gmpo's is per token in log space inside a geometric mean, gppo keeps
+    a bounded gradient outside, cispo caps a weight, two-sided, opsm and clip-cov add a cap, a mask or a
+    selection."""
+    from atrctl.core.family_intervals import FAMILY_INTERVALS
 
     rows = []
-    for name in POLICY_LOSSES:
-        if name in TRUST_REGIONS or (interval := ratio_interval(name, {})) is None:
-            continue
-        setting = ", ".join(f"{k}={v:g}" for k, v in loss_parameters(name).items() if isinstance(v, float))
-        rows.append(RegionRow(name, setting, *interval, clip_range=False))
+    for name, (defaults, interval) in FAMILY_INTERVALS.items():
+        setting = ", ".join(f"{k}={v:g}" for k, v in defaults.items())
+        rows.append(RegionRow(name, setting, *interval(defaults), clip_range=False))
     return rows
 
 

@@ -343,3 +343,20 @@ def test_an_export_to_trl_is_a_grpo_config_with_the_losss_settings(arm, monkeypa
         "opsm:max_kl=0.3": {"loss_type": "dapo", "epsilon": 0.2, "off_policy_mask_threshold": 0.3},
     }[arm]
     assert {key: getattr(config, key) for key in expected} == expected
+
+
+def test_the_torch_free_intervals_hold_the_losses_own_defaults():
+    """plot-bounds reads `family_intervals` without torch: its defaults must be the losses' (a changed default in
+    a loss fails here), and its intervals those the losses clip with."""
+    from atrctl.core.family_intervals import FAMILY_INTERVALS
+    from atrctl.core.losses import loss_parameters, ratio_interval
+
+    for name, (defaults, _) in FAMILY_INTERVALS.items():
+        assert {key: loss_parameters(name)[key] for key in defaults} == defaults, name
+    assert ratio_interval("gppo", {"eps_high": 0.5}) == pytest.approx((0.8, 1.5))
+    assert ratio_interval("gmpo", {}) == pytest.approx((math.exp(-0.4), math.exp(0.4)))
+    assert ratio_interval("sapo", {}) is None and ratio_interval("tv-band", {}) is None
+    old, logp, advantages, mask = batch()  # gppo's value is dapo's clip on that interval
+    gppo, _ = policy_loss(logp, old, advantages, mask, algo="gppo", eps_high=0.5, dual_clip=None)
+    dapo, _ = policy_loss(logp, old, advantages, mask, algo="dapo", eps_high=0.5)
+    assert gppo.item() == pytest.approx(dapo.item(), rel=1e-6)
