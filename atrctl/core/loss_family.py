@@ -18,7 +18,7 @@ import zlib
 import torch
 from torch import Tensor
 
-from atrctl.core.loss_metrics import clip_fractions, old_probability_bin, removed_fractions
+from atrctl.core.loss_metrics import clip_fractions, old_probability_bin, removed_fractions, token_share
 from atrctl.core.loss_registry import check_dual_clip, check_positive, register_policy_loss
 from atrctl.core.surrogate import clipped_surrogate
 from atrctl.core.tokens import Tokens
@@ -101,7 +101,7 @@ def _dppo(tokens: Tokens, keep_rising: Tensor, keep_falling: Tensor, tis_cap: fl
     weight = tokens.ratio.clamp(max=tis_cap).detach()
     loss = -adv * weight * tokens.logp * keep
     fractions = removed_fractions(~keep & (adv < 0), ~keep & (adv > 0), tokens.mask, _bins(tokens))
-    fractions["clip/dual"] = ((tokens.ratio > tis_cap) & keep & tokens.mask).sum() / tokens.mask.sum().clamp(min=1)
+    fractions["clip/dual"] = token_share((tokens.ratio > tis_cap) & keep, tokens.mask)
     return loss, fractions
 
 
@@ -195,7 +195,7 @@ def _clip_cov(
     dropped = torch.zeros_like(mask)
     dropped[chosen[:, 0], chosen[:, 1]] = True
     fractions = clip_fractions(ratio, adv, low, high, mask, bins=_bins(tokens))
-    fractions["clip/cov"] = dropped.sum() / mask.sum().clamp(min=1)
+    fractions["clip/cov"] = token_share(dropped, mask)
     return loss * ~dropped, fractions
 
 
@@ -241,14 +241,12 @@ def _gppo(tokens: Tokens, *, eps_low: float = 0.2, eps_high: float = 0.28, dual_
     dual_clip = check_dual_clip(dual_clip)
     adv, ratio = tokens.advantages, tokens.ratio
     preserved = ratio / ratio.detach()  # 1 in value, ∇logp in gradient
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, (1 - eps_low) * preserved, (1 + eps_high) * preserved))
-    if dual_clip is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    loss = clipped_surrogate(ratio, adv, (1 - eps_low) * preserved, (1 + eps_high) * preserved, dual_clip)
     slowed = (ratio > 2 * (1 + eps_high)) & (adv > 0)
     dual = (ratio > dual_clip) & (adv < 0) if dual_clip is not None else torch.zeros_like(tokens.mask)
     outside = (ratio < 1 - eps_low) | (ratio > 1 + eps_high)
     fractions = removed_fractions(dual, slowed, tokens.mask, _bins(tokens), outside)
-    fractions["clip/dual"] = (dual & tokens.mask).sum() / tokens.mask.sum().clamp(min=1)
+    fractions["clip/dual"] = token_share(dual, tokens.mask)
     return loss, fractions
 
 
@@ -270,7 +268,7 @@ def _two_sided(tokens: Tokens, *, eps_low: float = 0.2, eps_high: float = 0.2, d
         raise ValueError(f"delta must exceed 1 + eps_high = {1 + eps_high:g}, got {delta}: raise delta")
     adv, ratio = tokens.advantages, tokens.ratio
     low, high = 1 - eps_low, 1 + eps_high
-    loss = torch.maximum(-adv * ratio.clamp(max=delta), -adv * ratio.clamp(low, high))
+    loss = clipped_surrogate(ratio, adv, low, high, dual_clip=delta)  # TRL's clamp of w at δ is this cap
     return loss, clip_fractions(ratio, adv, low, high, tokens.mask, delta, _bins(tokens))
 
 
@@ -296,7 +294,7 @@ def _opsm(tokens: Tokens, *, eps_low: float = 0.2, eps_high: float = 0.2, max_kl
     loss = clipped_surrogate(ratio, adv, low, high) * ~dropped
     fractions = removed_fractions(((ratio < low) | dropped) & (adv < 0), (ratio > high) & (adv > 0) & ~dropped,
                                   mask, _bins(tokens), (ratio < low) | (ratio > high) | dropped)  # fmt: skip
-    fractions["clip/sequence"] = (dropped & mask).sum() / mask.sum().clamp(min=1)
+    fractions["clip/sequence"] = token_share(dropped, mask)
     return loss, fractions
 
 

@@ -45,8 +45,13 @@ def clip_fractions(
     negative = advantages < 0
     fractions = removed_fractions(below & negative, above & (advantages > 0), mask, bins, outside=above | below)
     if dual_clip is not None:
-        fractions["clip/dual"] = ((ratio > dual_clip) & negative & mask).sum() / mask.sum().clamp(min=1)
+        fractions["clip/dual"] = token_share((ratio > dual_clip) & negative, mask)
     return fractions
+
+
+def token_share(where: Tensor, mask: Tensor) -> Tensor:
+    """The share of the masked tokens where `where` holds."""
+    return (where & mask).sum() / mask.sum().clamp(min=1)
 
 
 def removed_fractions(

@@ -69,7 +69,7 @@ def constant_region(arm: Arm) -> tuple[float, float] | None:
 
 
 def describe(arm: Arm, region: tuple[float, float] | None) -> str:
-    shown = ", ".join(f"{k}={v}" for k, v in {**loss_parameters(arm.loss), **dict(arm.params)}.items() if v is not None)
+    shown = ", ".join(f"{k}={v}" for k, v in _values(arm).items() if v is not None)
     where = f": ratio interval [{region[0]:.6f}, {region[1]:.6f}]" if region else ""
     return f"{arm.loss} ({shown}){where}" if shown else f"{arm.loss}{where}"
 

@@ -159,12 +159,8 @@ class VLLMSampler:
         """Make empty calls beside the other ranks' real ones until every rank is here: the engines step
         together (each step asks all of them whether any has requests left), so a rank with fewer prompt
         chunks, or none, must still be in each call.  A vote before every call says whether one is coming."""
-        while self.collective and self._vote(calling=False):
+        while self.collective and distributed.any_rank(False, self.device):  # does any rank make a call?
             self.llm.generate([], use_tqdm=False)
-
-    def _vote(self, calling: bool) -> bool:
-        """Whether any rank is about to make a generate call (a collective of all ranks)."""
-        return bool(distributed.all_max(torch.tensor(float(calling), device=self.device)).item())
 
     def generate(
         self,
@@ -198,7 +194,7 @@ class VLLMSampler:
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         if self.collective:
-            self._vote(calling=True)  # the ranks in join_peers make an empty call beside this one
+            distributed.any_rank(True, self.device)  # the vote: the ranks in join_peers make an empty call beside it
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         # prompt-major, as `sample`; a prompt's samples in their own order, not the order they finished in
         completions = [c for output in outputs for c in sorted(output.outputs, key=lambda c: c.index)]

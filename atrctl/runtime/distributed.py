@@ -137,6 +137,11 @@ def all_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank: one all-reduce, so every rank takes the same branch."""
+    return bool(all_max(torch.tensor(float(flag), device=device)).item())
+
+
 def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate equal-shaped tensors of all ranks along dim 0, in rank order."""
     if not _active():

@@ -6,8 +6,6 @@ in a row stop the run on its last good weights, and a policy that diverged with 
 
 from __future__ import annotations
 
-import torch
-
 from atrctl.rollout.backend import NonFiniteProbabilities
 from atrctl.runtime import distributed
 from atrctl.training.checkpoint import TrainState, find_checkpoint, read_state
@@ -68,17 +66,12 @@ def held_out_or_undo(run: Run, state: TrainState) -> tuple[dict[str, float] | No
             except NonFiniteProbabilities:
                 failed = True
         run.sampler.join_peers()  # the other ranks take part in rank 0's engine calls
-        if not any_rank(failed, run.device):
+        if not distributed.any_rank(failed, run.device):
             verified(state)
             return figures, shown
         undo_last_update(run, state, state.step)
         if state.bad_steps >= run.recipe.run.max_bad_steps:
             return None, []
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether `flag` holds on any rank: one all-reduce, so every rank takes the same branch."""
-    return bool(distributed.all_max(torch.tensor(float(flag), device=device)).item())
 
 
 def divergence_message(run: Run, step: int) -> str:

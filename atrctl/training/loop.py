@@ -30,7 +30,6 @@ from atrctl.training.bad_steps import (
     BadStepLimit,
     PolicyDiverged,
     TrainingStopped,
-    any_rank,
     bad_steps_message,
     count_bad_step,
     divergence_message,
@@ -222,7 +221,7 @@ def _loop(
             if state.bad_steps >= recipe.run.max_bad_steps:
                 checkpoint()
                 raise TrainingStopped(bad_steps_message(run, state))
-            stopping = any_rank(stop.signal is not None, run.device)  # SIGINT/SIGTERM on any rank stops all
+            stopping = distributed.any_rank(stop.signal is not None, run.device)  # SIGINT/SIGTERM on any rank stops all
             if state.step % recipe.run.checkpoint_every == 0 or state.step == recipe.run.steps:
                 checkpoint()
             if stopping and state.step < recipe.run.steps:  # after the last step: just finish

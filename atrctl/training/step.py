@@ -22,7 +22,7 @@ from atrctl.model.loading import is_sharded
 from atrctl.rollout.backend import NonFiniteProbabilities, RolloutBackend, decode_completions
 from atrctl.runtime import distributed
 from atrctl.tasks import Problem
-from atrctl.training.bad_steps import BadStepLimit, any_rank, undo_last_update, verified
+from atrctl.training.bad_steps import BadStepLimit, undo_last_update, verified
 from atrctl.training.batching import (
     concat_rollouts,
     parts,
@@ -82,7 +82,7 @@ def _sample_or_undo(run: Run, state: TrainState, clock: Stopwatch):
         except NonFiniteProbabilities:
             sampled, failed = None, True
         run.sampler.join_peers()  # a rank that stopped early still takes part in the others' engine calls
-        if not any_rank(failed, run.device):  # every rank takes the same branch
+        if not distributed.any_rank(failed, run.device):  # every rank takes the same branch
             verified(state)
             return sampled
         undo_last_update(run, state, state.step + 1)
