@@ -33,6 +33,11 @@ def _task_parameters(factory) -> dict:
     }
 
 
+def _task_summary(factory) -> str:
+    """A task function's own first docstring line; a task class's module's (its docstring lists parameters)."""
+    return _summary(factory if inspect.isfunction(factory) else inspect.getmodule(factory))
+
+
 def _recipe_summary(path: Path) -> str:
     first = path.read_text(encoding="utf-8").splitlines()[:1]
     return first[0].lstrip("# ").strip() if first and first[0].startswith("#") else ""
@@ -46,7 +51,7 @@ def sections(recipes: Path = RECIPES) -> list[Section]:
     from atrctl.core.divergence import MEASURES, TRUST_REGIONS, region_defaults, trust_region
     from atrctl.core.losses import KL_ESTIMATORS, POLICY_LOSSES, loss_objective, loss_parameters
     from atrctl.rollout.backend import ROLLOUT_BACKENDS
-    from atrctl.tasks import TASKS
+    from atrctl.tasks import PRESETS, TASKS
 
     def region_doc(name: str) -> str:
         return _summary(TRUST_REGIONS[name])
@@ -95,10 +100,22 @@ def sections(recipes: Path = RECIPES) -> list[Section]:
         Section(
             "tasks (task.name, task.args)",
             ("name", "parameters", "what"),
+            [(name, _parameters(_task_parameters(factory)), _task_summary(factory)) for name, factory in TASKS.items()],
+        ),
+        Section(
+            "benchmark presets (atrctl eval --task NAME; each flag given overrides its value)",
+            ("task", "n", "temperature", "top-p", "max new tokens", "chat template"),
             [
-                (name, _parameters(_task_parameters(factory)), _summary(inspect.getmodule(factory)))
-                for name, factory in TASKS.items()
-            ],
+                (
+                    name,
+                    str(p.n),
+                    f"{p.temperature:g}",
+                    f"{p.top_p:g}",
+                    f"{p.max_new_tokens:,}",
+                    "yes" if p.chat_template else "no",
+                )
+                for name, p in PRESETS.items()
+            ],  # fmt: skip
         ),
         Section("rollout backends (rollout.backend)", ("name", "implementation"), list(ROLLOUT_BACKENDS.items())),
         Section(

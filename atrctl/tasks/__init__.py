@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from atrctl.errors import UserError
 from atrctl.tasks.arith import ArithTask
+from atrctl.tasks.benchmarks import BENCHMARKS, PRESETS, Preset
 from atrctl.tasks.countdown import CountdownTask
 from atrctl.tasks.gsm8k import GSM8KTask
 from atrctl.tasks.hendrycks_math import MathTask
@@ -16,9 +17,10 @@ TASKS: dict[str, Callable[..., Task]] = {
     "countdown": CountdownTask,
     "gsm8k": GSM8KTask,
     "math": MathTask,
+    **BENCHMARKS,
 }
 
-__all__ = ["TASKS", "Problem", "Score", "Task", "get_task", "problem_pool"]
+__all__ = ["PRESETS", "TASKS", "Preset", "Problem", "Score", "Task", "get_task", "problem_pool"]
 
 
 def get_task(name: str, **params) -> Task:

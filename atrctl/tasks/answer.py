@@ -1,5 +1,9 @@
 r"""Where a completion states its final answer, and which strings are numbers: one policy for every task.
 
+Reasoning models (Qwen3, DeepSeek-R1) think inside <think>...</think> first: only what follows the last
+</think> is read, and a completion whose thinking never closed (cut off by the token limit) states no answer,
+however many numbers its chain holds.
+
 Instruct models state answers in many ways ("The answer is 19.", "**Answer:** 19", "\boxed{19}",
 "#### 19", "... = 19"), often followed by chatter that holds other numbers ("I hope this helps with
 your 2 questions!"). The answer is taken by the first of these rules that applies:
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 # may follow it), and it is not part of a fraction (9/2) or a power (2^3);
 # commas group thousands exactly.  [0-9], not \d: other scripts' digits are not numbers here.
 NUMBER = re.compile(r"(?<![\w.,/^])-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?![\w^]|[.,][0-9]|\s*/\s*[0-9])")
+THINK_START, THINK_END = "<think>", "</think>"
 _HASHES = re.compile(r"####")
 _ANSWER_IS = re.compile(r"\b(?:final\s+)?answer\b\s*(?:\*\*)?\s*(?:is\b|:|=)\s*(?:\*\*)?\s*:?", re.IGNORECASE)
 _OUT_OF = re.compile(r"\bout\s+of\s*$", re.IGNORECASE)
@@ -49,7 +54,9 @@ class Found:
 
 
 def find_answer(completion: str) -> Found | None:
-    """The final answer's text by the first rule that applies (module docstring); None for an empty completion."""
+    """The final answer's text by the first rule that applies (module docstring); None for an empty completion
+    or one whose reasoning never ended."""
+    completion = after_reasoning(completion)
     boxed = last_boxed(completion)
     if boxed is not None:
         return Found(boxed, "boxed")
@@ -65,6 +72,15 @@ def find_answer(completion: str) -> Found | None:
     while len(lines) > 1 and _SIGN_OFF.match(lines[-1]):
         lines.pop()
     return Found(lines[-1], "last-line") if lines else None
+
+
+def after_reasoning(completion: str) -> str:
+    """What a completion says after its reasoning: the text after the last </think>; "" while a <think> is
+    still open (the limit cut the chain short, and a number inside it is a step, not an answer)."""
+    closed = completion.rfind(THINK_END)
+    if closed >= 0:
+        return completion[closed + len(THINK_END) :]
+    return "" if THINK_START in completion else completion
 
 
 def last_boxed(text: str) -> str | None:

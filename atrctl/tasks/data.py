@@ -61,12 +61,52 @@ def load_problems(
     return problems
 
 
+def load_benchmark(
+    task: str,
+    path: str,
+    config: str | None,
+    split: str,
+    fields: tuple[str, ...],
+    to_problem: Callable[[dict], Problem | None],
+) -> list[Problem]:
+    """Every usable row of a benchmark: a local file whole, or the hub set's `split` (a benchmark is its test
+    set, never cut by a hash); rows without a usable reference answer are skipped with a warning."""
+    if _is_local(path):
+        source, dataset = path, load_local(task, path)
+    else:
+        splits = _load_hub(path, config)
+        if split not in splits:
+            raise UserError(f"hub data set {path!r} has no split {split!r} (it has {', '.join(splits)}); pass split=")
+        source, dataset = f"{path} [{split}]", splits[split]
+    return usable_rows(task, source, dataset.to_list(), dataset.column_names, fields, to_problem)
+
+
+def usable_rows(
+    task: str, source: str, rows: list[dict], columns: list[str], fields: tuple[str, ...], to_problem
+) -> list[Problem]:
+    """The problems of `rows` (a source's every row, with `columns`), its missing fields and unusable rows
+    refused or noted as a data set task's are."""
+    missing = [f for f in fields if f not in columns]
+    if missing:
+        raise UserError(
+            f"{source} lacks field(s) {', '.join(missing)}; the {task} task expects rows with "
+            f"{', '.join(fields)} (has: {', '.join(columns)})"
+        )
+    problems = [p for p in map(to_problem, rows) if p is not None]
+    if not problems:
+        raise UserError(f"no usable {task} rows in {source}: none has a reference answer in the expected format")
+    if len(problems) < len(rows):
+        log.warning("note: skipped %d of %d %s rows without a usable reference answer", len(rows) - len(problems),
+                    len(rows), task)  # fmt: skip
+    return problems
+
+
 def _load(task: str, path: str, config: str | None, test_path: str | None) -> list[tuple[str, Any]]:
     """[(source, Dataset)]: one entry to be hash-split, or two for train and test."""
     if test_path is not None:
-        return [(path, _load_local(task, path)), (test_path, _load_local(task, test_path))]
+        return [(path, load_local(task, path)), (test_path, load_local(task, test_path))]
     if _is_local(path):
-        return [(path, _load_local(task, path))]
+        return [(path, load_local(task, path))]
     splits = _load_hub(path, config)
     if all(split in splits for split in SPLITS):
         return [(f"{path} [{split}]", splits[split]) for split in SPLITS]
@@ -81,7 +121,7 @@ def _is_local(path: str) -> bool:
     return Path(path).exists() or Path(path).suffix.lower() in LOCAL_FORMATS or path.startswith(("/", "."))
 
 
-def _load_local(task: str, path: str):
+def load_local(task: str, path: str):
     import datasets  # here, not at the top: it takes most of a second and only these tasks need it
 
     file = Path(path)

@@ -1,13 +1,12 @@
 """GSM8K: grade-school word problems whose answer is the number after "####" in the worked solution."""
 
-from atrctl.tasks.answer import Found, answer_number, find_answer, plain
+from atrctl.tasks.answer import Found, answer_number
 from atrctl.tasks.data import dataset_format, load_problems
-from atrctl.tasks.mathcheck import extract, matches
+from atrctl.tasks.mathcheck import score_number
 from atrctl.tasks.problem import Problem, Score, check_request
 from atrctl.tasks.split import stable_hash, take
 
 FIELDS = ("question", "answer")
-MAX_ANSWER_CHARS = 200  # bounds the sympy work on a boxed answer that is not a plain number
 
 
 class GSM8KTask:
@@ -31,25 +30,17 @@ class GSM8KTask:
     ):
         self.format = format
         self.instruction, suffix = dataset_format(self.name, format)
-        self._problems = load_problems(self.name, path, config, test_path, FIELDS, lambda row: _problem(row, suffix))
+        self._problems = load_problems(self.name, path, config, test_path, FIELDS, lambda row: to_problem(row, suffix))
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
         check_request(split, n)
         return take(self._problems[split], n, seed, f"gsm8k {split} problems")
 
     def score(self, problem: Problem, completion: str) -> Score:
-        found = find_answer(completion)
-        parsed = answer_number(found)
-        if parsed is not None:
-            return Score(float(matches(problem.answer, extract(f"\\boxed{{{parsed}}}"))), parsed)
-        if found is not None and found.rule != "last-line" and len(found.text) <= MAX_ANSWER_CHARS:
-            prediction = extract(f"\\boxed{{{plain(found.text)}}}")  # \\frac{9}{2}, 9/2: math-verify reads them
-            if prediction:
-                return Score(float(matches(problem.answer, prediction)), str(prediction[-1]))
-        return Score(0.0, None)
+        return score_number(problem.answer, completion)
 
 
-def _problem(row: dict, suffix: str) -> Problem | None:
+def to_problem(row: dict, suffix: str) -> Problem | None:
     question, worked = str(row["question"]), str(row["answer"])
     answer = answer_number(Found(worked.rpartition("####")[2], "hashes")) if "####" in worked else None
     if answer is None:

@@ -1,13 +1,12 @@
 r"""MATH (Hendrycks et al.): competition problems whose answer is the last \boxed{...} of the solution."""
 
-from atrctl.tasks.answer import find_answer, last_boxed
+from atrctl.tasks.answer import last_boxed
 from atrctl.tasks.data import dataset_format, load_problems
-from atrctl.tasks.mathcheck import extract, matches
+from atrctl.tasks.mathcheck import score_latex
 from atrctl.tasks.problem import Problem, Score, check_request
 from atrctl.tasks.split import stable_hash, take
 
 FIELDS = ("problem", "solution")
-MAX_ANSWER_CHARS = 1000  # bounds the sympy work per completion, which has no timeout off the main thread
 
 
 class MathTask:
@@ -30,26 +29,17 @@ class MathTask:
     ):
         self.format = format
         self.instruction, suffix = dataset_format(self.name, format)
-        self._problems = load_problems(self.name, path, config, test_path, FIELDS, lambda row: _problem(row, suffix))
+        self._problems = load_problems(self.name, path, config, test_path, FIELDS, lambda row: to_problem(row, suffix))
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
         check_request(split, n)
         return take(self._problems[split], n, seed, f"math {split} problems")
 
     def score(self, problem: Problem, completion: str) -> Score:
-        found = find_answer(completion)
-        if found is None:
-            return Score(0.0, None)
-        text = f"\\boxed{{{found.text}}}" if found.rule == "boxed" else found.text
-        if len(text) > MAX_ANSWER_CHARS:
-            return Score(0.0, None)
-        prediction = extract(text)
-        if not prediction:
-            return Score(0.0, None)
-        return Score(float(matches(problem.answer, prediction)), prediction[-1])
+        return score_latex(problem.answer, completion)
 
 
-def _problem(row: dict, suffix: str) -> Problem | None:
+def to_problem(row: dict, suffix: str) -> Problem | None:
     statement, solution = str(row["problem"]), str(row["solution"])
     answer = row.get("answer") or last_boxed(solution)
     if not answer:

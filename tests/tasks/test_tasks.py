@@ -314,7 +314,12 @@ def test_verifiers_read_ascii_digits_only():
 
 
 VERDICTS = json.loads((DATA / "verdicts.json").read_text())
-DATA_PATHS = {"gsm8k": DATA / "gsm8k_sample.jsonl", "math": DATA / "math_sample.jsonl"}
+DATA_PATHS = {
+    "gsm8k": DATA / "gsm8k_sample.jsonl",
+    "math": DATA / "math_sample.jsonl",
+    "math500": DATA / "math500_sample.jsonl",
+    "gsm8k-test": DATA / "gsm8k_sample.jsonl",
+}  # the AIME tasks read the copy sgl-eval ships
 
 
 @pytest.mark.parametrize("row", VERDICTS, ids=[f"{r['task']}-{i}" for i, r in enumerate(VERDICTS)])
