@@ -24,22 +24,30 @@ def eval_command(
     ] = None,
     split: Annotated[str, typer.Option(help="Problem split: test or train.")] = "test",
     n: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--n",
             "--samples",
-            help="Samples per problem (--samples under torchrun, which takes --n); " + EVALUATION["eval"].why,
+            help="Samples per problem (--samples under torchrun, which takes --n) [default: a benchmark's preset, "
+            f"else {EVALUATION['eval'].n}: {EVALUATION['eval'].why}].",
         ),
-    ] = EVALUATION["eval"].n,
+    ] = None,
     k: Annotated[str | None, typer.Option("--k", help=r"Comma-separated k's \[default: 1, 2, 4, ... and n].")] = None,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature, at least 0.001.")] = 1.0,
-    problems: Annotated[int, typer.Option(help="Problems to evaluate (drawn with the run's eval.seed).")] = EVALUATION[
-        "eval"
-    ].problems,
+    temperature: Annotated[
+        float | None, typer.Option(help=r"Sampling temperature, at least 0.001 \[default: a benchmark's preset; 1].")
+    ] = None,
+    problems: Annotated[
+        int | None,
+        typer.Option(
+            help="Problems to evaluate, drawn with the run's eval.seed "
+            rf"\[default: all of a benchmark, else {EVALUATION['eval'].problems}]."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     device: Annotated[str, typer.Option(help=f"{DEVICE_HELP}.")] = "auto",
     max_new_tokens: Annotated[
-        int | None, typer.Option(help=r"Longest completion \[default: the run's rollout.max_new_tokens].")
+        int | None,
+        typer.Option(help=r"Longest completion \[default: a benchmark's preset; the run's rollout.max_new_tokens]."),
     ] = None,
     batch_size: Annotated[
         int, typer.Option(help="Completions per sampling batch; 0 sizes it from the model's KV cache (≤ 1024).")
@@ -51,7 +59,8 @@ def eval_command(
     chat_template: Annotated[
         bool | None,
         typer.Option(
-            "--chat-template/--no-chat-template", help=r"Wrap prompts in the chat template \[default: the run's; off]."
+            "--chat-template/--no-chat-template",
+            help=r"Wrap prompts in the chat template \[default: a benchmark's preset, else the run's; off].",
         ),
     ] = None,
     system_prompt: Annotated[
@@ -61,7 +70,12 @@ def eval_command(
         str | None,
         typer.Option(help=r"Line after each problem; 'auto': the task format's, '': none \[default: the run's; auto]."),
     ] = None,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest set of tokens of this mass.")] = 1.0,
+    top_p: Annotated[
+        float | None,
+        typer.Option(
+            help=r"Nucleus sampling: keep the smallest set of tokens of this mass \[default: a benchmark's preset; 1]."
+        ),
+    ] = None,
     completions: Annotated[
         str,
         typer.Option(help="Sampled completions per problem written to samples.jsonl (with the greedy one), or 'all'."),
@@ -74,11 +88,18 @@ def eval_command(
     Under torchrun (or --nproc) each process samples a share of the problems; rank 0 alone writes and prints."""
     from atrctl.cli import display, progress, tables
     from atrctl.config.loading import parse_task_args
-    from atrctl.experiments.evaluation import eval_target, parse_ks, run_evaluation
+    from atrctl.experiments.evaluation import eval_target, parse_ks, preset_settings, run_evaluation
     from atrctl.rollout.backend import check_backend
     from atrctl.runtime import distributed
     from atrctl.training.rundir import has_evaluation
 
+    given = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, problems=problems,
+                 chat_template=chat_template, backend=backend)  # fmt: skip
+    settings = preset_settings(
+        task, given, n=EVALUATION["eval"].n, problems=EVALUATION["eval"].problems, temperature=1.0, top_p=1.0
+    )
+    n, temperature, top_p, max_new_tokens = (settings[key] for key in ("n", "temperature", "top_p", "max_new_tokens"))
+    problems, chat_template, backend = settings["problems"], settings["chat_template"], settings["backend"]
     for value, flag, example in (
         (n, "--n", 256),
         (problems, "--problems", 200),
@@ -122,7 +143,7 @@ def eval_command(
         top_p=top_p,
         keep=keep,
     )
-    with progress.sampling_bar(problems) if distributed.is_main() else nullcontext() as on_progress:
+    with progress.sampling_bar(problems or 0) if distributed.is_main() else nullcontext() as on_progress:
         done = run_evaluation(spec, target, **settings, on_progress=on_progress)
     if done is None:  # a rank other than 0: rank 0 prints
         return

@@ -65,11 +65,14 @@ def passk_table(summary: dict, ks: Sequence[int], title: str) -> Table:
         + (f"  entropy {summary['entropy']:.4f} nats/token" if "entropy" in summary else "")
         + (f"  distinct correct {summary['distinct correct']:.2f}" if "distinct correct" in summary else "")
     )
-    for column in ("k", "pass@k", "95% CI", "maj@k"):
+    for column in ("k", "pass@k", "95% CI", "avg@k", "95% CI ", "maj@k"):
         table.add_column(column, justify="right")
     for k in ks:
-        interval = escape(f"[{summary[f'pass@{k}/low']:.4f}, {summary[f'pass@{k}/high']:.4f}]")
-        table.add_row(str(k), f"{summary[f'pass@{k}']:.4f}", interval, f"{summary[f'maj@{k}']:.4f}")
+        cells = []
+        for metric in ("pass", "avg"):
+            low, high = summary[f"{metric}@{k}/low"], summary[f"{metric}@{k}/high"]
+            cells += [f"{summary[f'{metric}@{k}']:.4f}", escape(f"[{low:.4f}, {high:.4f}]")]
+        table.add_row(str(k), *cells, f"{summary[f'maj@{k}']:.4f}")
     return table
 
 

@@ -99,6 +99,16 @@ def majority_at_k(parsed: Sequence[Sequence[str | None]], rewards: np.ndarray, k
     return float(majority_correct(parsed, rewards, k).mean())
 
 
+def avg_at_k_per_problem(rewards: np.ndarray, k: int) -> np.ndarray:
+    """avg@k of each problem: the mean correctness of its first k samples, [P] (what an evaluation that drew k
+    samples per problem reports, as papers' avg@32 on AIME; its mean over problems estimates pass@1, more
+    noisily the smaller k is)."""
+    rewards = np.asarray(rewards)
+    if rewards.ndim != 2 or not 1 <= k <= rewards.shape[1]:
+        raise ValueError(f"k={k} must be between 1 and n for rewards [problems, n], got {rewards.shape}")
+    return (rewards[:, :k] >= 1).mean(axis=1)
+
+
 def avg_at_n(rewards: np.ndarray) -> float:
     """avg@n: the mean correctness of all samples (equal to pass@1 in expectation)."""
     return float((np.asarray(rewards) >= 1).mean())
@@ -149,7 +159,8 @@ class EvalResult:
         return pass_at_k_per_problem(self.correct, self.n, k)
 
     def summary(self, ks: Sequence[int]) -> dict[str, float]:
-        """Headline figures: pass@k with its 95% interval (pass@k/low, pass@k/high), maj@k, avg@n, greedy."""
+        """Headline figures: pass@k and avg@k with their 95% intervals (pass@k/low, pass@k/high, avg@k/low,
+        avg@k/high), maj@k, avg@n (= pass@1 and avg@n at k = n), greedy."""
         out: dict[str, float] = {
             "n": self.n,
             "problems": len(self.problem_ids),
@@ -162,6 +173,9 @@ class EvalResult:
             out[f"pass@{k}"] = float(values.mean())
             out[f"pass@{k}/low"], out[f"pass@{k}/high"] = bootstrap_ci(values)
             out[f"maj@{k}"] = majority_at_k(self.parsed, self.rewards, k)
+            averages = avg_at_k_per_problem(self.rewards, k)
+            out[f"avg@{k}"] = float(averages.mean())
+            out[f"avg@{k}/low"], out[f"avg@{k}/high"] = bootstrap_ci(averages)
         out["avg@n"] = avg_at_n(self.rewards)
         out["greedy"] = float(self.greedy.mean())
         for name, values in (("entropy", self.entropy()), ("distinct correct", self.distinct_correct())):

@@ -7,6 +7,7 @@ is what a cached evaluation must match to be reused.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -157,7 +158,6 @@ def evaluation_key(spec: EvalTarget, problems: Sequence[Problem], **settings) ->
     """Everything an evaluation's samples depend on, as JSON values: the model's files (path, size, mtime),
     the target, the problems, the sampling settings, the torch version and threads, and a digest of atrctl's
     own source (a changed verifier or sampler must not be answered from a cache)."""
-    import dataclasses
     import hashlib
     import json
 
@@ -190,7 +190,7 @@ def run_evaluation(
     target: str,
     *,
     split: str,
-    problems: int,
+    problems: int | None,
     n: int,
     ks: Sequence[int],
     temperature: float,
@@ -232,12 +232,30 @@ def run_evaluation(
         if not distributed.is_main():
             return None
         nucleus = f", top-p={top_p:g}" if top_p < 1 else ""
-        setting = f"{spec.task} {split}, {len(picked)} problems, n={n}, T={temperature:g}{nucleus}, {style.describe()}"
+        setting = (f"{spec.task} {split}, {len(picked)} problems, n={n}, T={temperature:g}{nucleus}, "
+                   f"≤{spec.max_new_tokens:,} new tokens, {style.describe()}, {spec.backend} backend")  # fmt: skip
         try:
             paths = write_eval(result, ks, spec.directory, f"{target}: {setting}")
         except OSError as error:
             raise UserError(f"cannot write to {spec.directory} ({error.strerror}); use --out elsewhere") from None
         return result, setting, paths
+
+
+def preset_settings(task: str | None, given: dict, **defaults) -> dict:
+    """The settings of `atrctl eval`: each one given (not None) as it is; for a benchmark task the rest from its
+    preset (all its problems, and the vllm backend where vLLM is installed); else `defaults` where they name one,
+    and None (the run's own, or a plain default, decided by `eval_target`) where they do not."""
+    import importlib.util
+
+    from atrctl.tasks import PRESETS
+
+    preset = PRESETS.get(task or "")
+    if preset is None:
+        return {key: defaults.get(key) if value is None else value for key, value in given.items()}
+    fill = dataclasses.asdict(preset) | {"problems": None}
+    if importlib.util.find_spec("vllm") is not None:
+        fill["backend"] = "vllm"
+    return {key: fill.get(key) if value is None else value for key, value in given.items()}
 
 
 def parse_ks(text: str | None, n: int) -> list[int]:

@@ -14,29 +14,34 @@ from atrctl.errors import UserError
 from atrctl.files import atomic
 from atrctl.reports.curves import arm_colours
 
-COLUMNS = ("k", "pass@k", "ci_low", "ci_high", "maj@k")
+COLUMNS = ("k", "pass@k", "ci_low", "ci_high", "avg@k", "avg_low", "avg_high", "maj@k")
 Curve = tuple[str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]  # label, ks, mean, low, high
 
 
 def passk_frame(result: EvalResult, ks: Sequence[int]) -> pd.DataFrame:
-    """One row per k: pass@k, its 95% bootstrap interval over problems, and maj@k."""
+    """One row per k: pass@k and avg@k, each with its 95% bootstrap interval over problems, and maj@k."""
     summary = result.summary(ks)
     rows = [
-        (k, summary[f"pass@{k}"], summary[f"pass@{k}/low"], summary[f"pass@{k}/high"], summary[f"maj@{k}"]) for k in ks
-    ]
+        (k, *(summary[f"{metric}@{k}{part}"] for metric in ("pass", "avg") for part in ("", "/low", "/high")),
+         summary[f"maj@{k}"])
+        for k in ks
+    ]  # fmt: skip
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
 def passk_markdown(result: EvalResult, frame: pd.DataFrame, title: str) -> str:
     """The table plus the settings that produced it, readable as it is and rendered on GitHub."""
-    lines = [f"# {title}", "", "| k | pass@k | 95% CI | maj@k |", "|---:|---:|---:|---:|"]
+    lines = [f"# {title}", "", "| k | pass@k | 95% CI | avg@k | 95% CI | maj@k |", "|---:|---:|---:|---:|---:|---:|"]
     lines += [
-        f"| {int(k)} | {mean:.4f} | [{low:.4f}, {high:.4f}] | {majority:.4f} |"
-        for k, mean, low, high, majority in frame[list(COLUMNS)].itertuples(index=False, name=None)
+        f"| {int(k)} | {mean:.4f} | [{low:.4f}, {high:.4f}] | {avg:.4f} | [{avg_low:.4f}, {avg_high:.4f}] "
+        f"| {majority:.4f} |"
+        for k, mean, low, high, avg, avg_low, avg_high, majority in frame[list(COLUMNS)].itertuples(
+            index=False, name=None
+        )
     ]
     lines += [
         "",
-        f"- avg@n: {avg_at_n(result.rewards):.4f}",
+        f"- avg@n: {avg_at_n(result.rewards):.4f} (avg@k: the mean correctness of each problem's first k samples)",
         f"- greedy accuracy: {float(result.greedy.mean()):.4f}",
         *exploration_lines(result),
         f"- n: {result.n} samples per problem",

@@ -2,6 +2,7 @@
 
 import pandas as pd
 import pytest
+from helpers import DATA
 
 from atrctl.cli import main
 from atrctl.config.loading import load_recipe, recipe_to_dict, to_toml
@@ -28,13 +29,14 @@ def test_eval_of_a_run_writes_its_three_files(run_dir, capsys):
     out = capsys.readouterr().out
     assert "pass@k" in out and "maj@k" in out and "passk.png" in out
     frame = pd.read_csv(run_dir / "eval" / "passk.csv")
-    assert list(frame.columns) == ["k", "pass@k", "ci_low", "ci_high", "maj@k"]
+    assert list(frame.columns) == ["k", "pass@k", "ci_low", "ci_high", "avg@k", "avg_low", "avg_high", "maj@k"]
     assert frame["k"].tolist() == [1, 2, 4, 8]
     assert ((frame["ci_low"] <= frame["pass@k"]) & (frame["pass@k"] <= frame["ci_high"])).all()
-    assert frame["pass@k"].is_monotonic_increasing
+    assert ((frame["avg_low"] <= frame["avg@k"]) & (frame["avg@k"] <= frame["avg_high"])).all()
+    assert frame["pass@k"].is_monotonic_increasing and frame["avg@k"].iloc[-1] == pytest.approx(frame["pass@k"].iloc[0])
     markdown = (run_dir / "eval" / "passk.md").read_text()
     for text in (
-        "| k | pass@k | 95% CI | maj@k |",
+        "| k | pass@k | 95% CI | avg@k | 95% CI | maj@k |",
         "avg@n",
         "greedy accuracy",
         "n: 8",
@@ -151,3 +153,48 @@ def test_an_unwritable_output_folder_is_one_line(run_dir, tmp_path, capsys):
     assert main(["eval", str(run_dir), *FAST, "--out", str(tmp_path / "file" / "eval")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --out") and "is a file, not a folder" in err and "\n" not in err
+
+
+CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny model whose tokenizer has a chat template, as the benchmarks' presets ask for one."""
+    directory = tmp_path_factory.mktemp("chat-model")
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = CHAT
+    build_model("tiny", tokenizer).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_benchmark_is_evaluated_at_its_preset_unless_a_flag_says_otherwise(chat_model, tmp_path):
+    """aime25's preset: every problem (two in the stand-in file), T 0.6, top-p 0.95, the chat template; the
+    flags given (n, the token limit, the backend) override it."""
+    out = tmp_path / "aime"
+    stand_in = ["--task", "aime25", "--task-arg", f"path={DATA / 'aime_sample.jsonl'}", "--device", "cpu"]
+    args = ["eval", str(chat_model), *stand_in, "--n", "4", "--max-new-tokens", "3", "--backend", "hf"]
+    assert main([*args, "--out", str(out)]) == 0
+    markdown = (out / "passk.md").read_text()
+    assert "aime25 test, 2 problems, n=4, T=0.6, top-p=0.95, ≤3 new tokens, chat template" in markdown
+    assert "hf backend" in markdown and pd.read_csv(out / "passk.csv")["k"].tolist() == [1, 2, 4]
+    args += ["--temperature", "1", "--top-p", "1", "--no-chat-template", "--problems", "1"]
+    assert main([*args, "--out", str(tmp_path / "given")]) == 0
+    assert "1 problems, n=4, T=1, ≤3 new tokens, no chat template" in (tmp_path / "given" / "passk.md").read_text()
+
+
+def test_preset_settings_fill_only_what_is_not_given(monkeypatch):
+    import importlib.util
+
+    from atrctl.experiments.evaluation import preset_settings
+
+    given = dict(n=None, temperature=None, top_p=None, max_new_tokens=None, problems=None, chat_template=None,
+                 backend=None)  # fmt: skip
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no vLLM here
+    assert preset_settings("aime24", given, n=256) == dict(n=32, temperature=0.6, top_p=0.95, max_new_tokens=32768,
+                                                           problems=None, chat_template=True, backend=None)  # fmt: skip
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # vLLM installed
+    assert preset_settings("math500", given | {"n": 8})["backend"] == "vllm"
+    assert preset_settings("math500", given | {"backend": "hf"})["backend"] == "hf"
+    assert preset_settings("arith", given, n=256, temperature=1.0) == given | {"n": 256, "temperature": 1.0}

@@ -105,6 +105,23 @@ def test_summary_reports_every_figure():
     assert (summary["n"], summary["problems"]) == (4, 4)
 
 
+def test_avg_at_k_is_each_problems_first_k_samples_by_hand():
+    from atrctl.core.passk import avg_at_k_per_problem
+
+    assert avg_at_k_per_problem(REWARDS, 1).tolist() == [1, 0, 0, 1]
+    assert avg_at_k_per_problem(REWARDS, 2).tolist() == [1, 0.5, 0, 0.5]
+    assert avg_at_k_per_problem(REWARDS, 4).tolist() == [0.5, 0.5, 0.25, 0.25]
+    with pytest.raises(ValueError, match="between 1 and n"):
+        avg_at_k_per_problem(REWARDS, 5)
+    result = EvalResult(["a", "b", "c", "d"], 4, REWARDS, PARSED, np.zeros(4, bool), 1.0, 0, 1.5)
+    summary = result.summary([1, 2, 4])
+    assert summary["avg@1"] == 0.5 and summary["avg@2"] == 0.5
+    assert summary["avg@4"] == summary["avg@n"] == pytest.approx(summary["pass@1"])  # at k = n: pass@1's estimate
+    for k in (1, 2, 4):
+        assert summary[f"avg@{k}/low"] <= summary[f"avg@{k}"] <= summary[f"avg@{k}/high"]
+    assert summary["avg@1/high"] - summary["avg@1/low"] > summary["avg@4/high"] - summary["avg@4/low"]  # fewer, wider
+
+
 class FirstDigitTask:
     """Arithmetic prompts, but a completion counts as correct when it starts with 0-4: a random model
     then earns both rewards, and its first character is the parsed answer that votes."""

@@ -122,3 +122,20 @@ def test_an_evaluation_over_two_processes_is_the_one_process_evaluation(results,
     assert done.returncode == 0, done.stderr[-3000:]
     one, two = ((results / name / "passk.csv").read_text() for name in ("eval-one", "eval-two"))
     assert one == two and one.splitlines()[-1].startswith("4,")  # pass@k up to k = n = 4
+
+
+def test_a_benchmark_is_sampled_by_vllm_where_it_is_installed(tmp_path):
+    """`atrctl eval MODEL --task aime25` with no --backend: the preset's settings through the vllm engine."""
+    from helpers import DATA
+
+    from atrctl.model.loading import build_char_tokenizer, build_model
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}="
+    build_model("small", tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    flags = ["--task", "aime25", "--task-arg", f"path={DATA / 'aime_sample.jsonl'}", "--n", "4",
+             "--max-new-tokens", "4", "--device", "cpu", "--out", str(tmp_path / "eval")]  # fmt: skip
+    assert main(["eval", str(tmp_path / "model"), *flags]) == 0
+    setting = (tmp_path / "eval" / "passk.md").read_text().splitlines()[0]
+    assert "aime25 test, 2 problems, n=4, T=0.6, top-p=0.95" in setting and setting.endswith("vllm backend")
