@@ -136,6 +136,8 @@ def _check_value(section: str, key: str, value: Any) -> None:
         raise UserError(f"{where} must be in (0, 1], got {value}")
     if (section, key) == ("run", "report_to"):
         check_report_to(value)
+    if (section, key) == ("eval", "benchmarks"):
+        check_benchmarks(value)
     if (section, key) == ("model", "lora"):
         from atrctl.model.adapters import lora_settings
 
@@ -185,6 +187,19 @@ def check_report_to(names: typing.Sequence[str]) -> None:
             raise UserError(f"run.report_to: '{name}' is not one of {', '.join(TRACKERS)}")
     if len(set(names)) < len(names):
         raise UserError(f"run.report_to names a tracker twice: {names}")
+
+
+def check_benchmarks(names: typing.Sequence[str]) -> None:
+    """eval.benchmarks names benchmark tasks, each once (checked while the recipe is read)."""
+    from atrctl.tasks import PRESETS
+
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise UserError(f'eval.benchmarks must be a list of benchmark names such as ["aime25"], got {names!r}')
+    for name in names:
+        if name not in PRESETS:
+            raise UserError(f"eval.benchmarks: '{name}' is not a benchmark; use one of {', '.join(PRESETS)}")
+    if len(set(names)) < len(names):
+        raise UserError(f"eval.benchmarks names a benchmark twice: {names}")
 
 
 def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:

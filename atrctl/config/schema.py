@@ -192,6 +192,9 @@ class EvalConfig:
     batch: int = 0
     """Completions sampled at once in held-out checks and compare's evaluation; 0 sizes it from the model:
     as many as a fixed 2 GiB of KV cache holds at the longest prompt (models.sized_batch), at most 1024."""
+    benchmarks: list[str] = field(default_factory=list)
+    """Benchmark tasks (`atrctl ls`: aime24, aime25, math500, ...) on which `atrctl compare` also evaluates every
+    final model, each at its preset, beside the held-out problems of the training task."""
 
 
 @dataclass

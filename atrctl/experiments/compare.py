@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)  # notes on stderr: Python's last-resort handl
 
 # advance(key, description, done, total, note): one progress line per key, made on its first call
 Progress = Callable[[str, str, int, int, str], None]
-# report(comparison, evaluations per arm label, ks, command, wall seconds by part) -> the table's rows
-Report = Callable[["Comparison", dict[str, list], list[int], str, dict[str, float]], list[dict]]
+# report(comparison, evaluations per arm label, ks, command, wall seconds by part, evaluations per benchmark)
+# -> the table's rows
+Report = Callable[["Comparison", dict[str, list], list[int], str, dict[str, float], dict[str, dict]], list[dict]]
 
 
 @dataclass
@@ -125,7 +126,10 @@ config.toml), and gets its evaluation's table there."""
 
 
 def _trained(recipe: dict) -> dict:
-    return {**recipe, "run": {k: v for k, v in recipe["run"].items() if k not in WATCHING}}
+    """What a comparison's runs train: the recipe without where they are reported or which benchmarks evaluate
+    them afterwards (a rerun that adds a benchmark keeps its runs)."""
+    return {**recipe, "run": {k: v for k, v in recipe["run"].items() if k not in WATCHING},
+            "eval": {k: v for k, v in recipe.get("eval", {}).items() if k != "benchmarks"}}  # fmt: skip
 
 
 def write_arm_recipes(comparison: Comparison) -> dict[str, Path]:
@@ -149,9 +153,9 @@ def trained_recipe(comparison: Comparison, arm: Arm, seed: int | None = None) ->
     return recipe
 
 
-IGNORED = {("model", "base"), *(("run", key) for key in ("tensorboard", "report_to"))}
-"""Keys in which a kept run may differ from its arm: where it is reported, and how its base was named (an
-absolute path before bases were found by key)."""
+IGNORED = {("model", "base"), ("eval", "benchmarks"), *(("run", key) for key in ("tensorboard", "report_to"))}
+"""Keys in which a kept run may differ from its arm: where it is reported, which benchmarks evaluate it after
+training, and how its base was named (an absolute path before bases were found by key)."""
 
 
 def check_kept_runs(comparison: Comparison) -> None:
@@ -180,12 +184,16 @@ def arm_runs(comparison: Comparison) -> dict[str, list[Path]]:
     }
 
 
-def arm_evaluations(comparison: Comparison) -> dict[str, list[Path]]:
-    """Where each run's evaluation is kept, seed by seed: a run the comparison trained keeps it in its own eval/;
-    a run given as an arm is only read, so its evaluation goes to <comparison>/evals/<arm>/ (the run may belong
-    to another comparison, whose report must keep describing it, or lie outside --results)."""
+def arm_evaluations(comparison: Comparison, benchmark: str | None = None) -> dict[str, list[Path]]:
+    """Where each run's evaluation is kept, seed by seed: a run the comparison trained keeps it in its own eval/
+    (eval-<benchmark>/ for a benchmark's); a run given as an arm is only read, so its evaluation goes to
+    <comparison>/evals/<arm>/ (<arm>-<benchmark>/): the run may belong to another comparison, whose report must
+    keep describing it, or lie outside --results."""
+    suffix = "" if benchmark is None else f"-{benchmark}"
     return {
-        arm.label: [comparison.directory / "evals" / arm.slug] if arm.run_dir else [RunDir(d).eval for d in runs]
+        arm.label: [comparison.directory / "evals" / f"{arm.slug}{suffix}"]
+        if arm.run_dir
+        else [RunDir(d).path / f"eval{suffix}" for d in runs]
         for arm, runs in zip(comparison.arms, arm_runs(comparison).values(), strict=True)
     }
 
@@ -204,26 +212,41 @@ def arm_target(directory: Path, recipe: Recipe):
 
 
 def evaluate_arms(
-    comparison: Comparison, n: int, problems: int, on_progress: Callable[[str, int, int], None] | None = None
+    comparison: Comparison,
+    n: int,
+    problems: int,
+    on_progress: Callable[[str, int, int], None] | None = None,
+    benchmark: str | None = None,
 ) -> dict[str, list]:
-    """Every final model on the same held-out problems, with the same n and sampling seed.  A run evaluated
-    before with exactly this key (`evaluation.evaluation_key`: model files, problems, settings, code) is read
-    back from its eval/ instead of sampled again."""
+    """Every final model on the same held-out problems, with the same n and sampling seed; or, given a
+    `benchmark`, on all of its problems at its preset (`atrctl ls`).  A run evaluated before with exactly this
+    key (`evaluation.evaluation_key`: model files, problems, settings, code) is read back from where it was
+    kept (eval/, or eval-<benchmark>/) instead of sampled again."""
+    from dataclasses import replace
+
     from atrctl.experiments.evaluation import evaluate_target, evaluation_key
     from atrctl.reports.eval_report import load_result, save_result
-    from atrctl.tasks import get_task
+    from atrctl.tasks import PRESETS, get_task
 
     recipe = comparison.recipe
-    task = get_task(recipe.task.name, **recipe.task.args)
-    held_out = task.problems("test", problems, recipe.eval.seed)
     settings = dict(n=n, temperature=recipe.eval.temperature, seed=recipe.eval.seed, device=recipe.model.device,
                     batch_size=recipe.eval.batch)  # fmt: skip
+    if benchmark is None:
+        task = get_task(recipe.task.name, **recipe.task.args)
+        held_out = task.problems("test", problems, recipe.eval.seed)
+    else:
+        preset, task = PRESETS[benchmark], get_task(benchmark)
+        held_out = task.problems("test", None, recipe.eval.seed)
+        settings.update(n=preset.n, temperature=preset.temperature, top_p=preset.top_p)
     kept: dict[str, list] = {}
-    evaluated_in = arm_evaluations(comparison)
+    evaluated_in = arm_evaluations(comparison, benchmark)
     for label, directories in arm_runs(comparison).items():  # every kept evaluation read before any is sampled
         kept[label] = []
         for directory, where in zip(directories, evaluated_in[label], strict=True):
             spec = arm_target(directory, recipe)
+            if benchmark is not None:  # in the prompt style the run was trained with (chat template included)
+                spec = replace(spec, task=benchmark, task_args={}, max_new_tokens=preset.max_new_tokens,
+                               directory=where)  # fmt: skip
             key = evaluation_key(spec, held_out, **settings)
             try:
                 result = load_result(where, key)
@@ -294,6 +317,8 @@ def plan_comparison(
 
     held_out = get_task(recipe.task.name, **recipe.task.args).problems("test", problems, recipe.eval.seed)  # enough?
     check_samples_fit(len(held_out), n)
+    for benchmark in recipe.eval.benchmarks:  # its data read (AIME's package found) before anything trains
+        get_task(benchmark).problems("test", None, recipe.eval.seed)
     from atrctl.training.base_cache import cached_base
 
     cached_base(recipe, results)  # a damaged one is refused here, before the comparison's folder is claimed
@@ -383,12 +408,30 @@ def run_comparison(
                     report_evaluation(directory, where / "passk.csv")
                 except UserError as error:
                     log.warning("warning: %s", error)
+        benchmarks = {}
+        for name in comparison.recipe.eval.benchmarks:
+            phase = time.perf_counter()
+            benchmarks[name] = evaluate_arms(
+                comparison, n, problems, lambda run, d, t, b=name: show(f"{b} {run}", f"{b} {run}", d, t), name
+            )
+            seconds[f"{name} (wall)"] = time.perf_counter() - phase
+            evaluated_in = arm_evaluations(comparison, name)
+            for label, directories in arm_runs(comparison).items():
+                for directory, where, result in zip(directories, evaluated_in[label], benchmarks[name][label],
+                                                    strict=True):  # fmt: skip
+                    write_eval(result, default_ks(result.n), where, f"{directory.name}: {name}")
         seconds["total"] = time.perf_counter() - started
-        return (report or write_compare_report)(comparison, evaluations, ks, command, seconds), ks
+        report = report or write_compare_report
+        return report(comparison, evaluations, ks, command, seconds, benchmarks), ks
 
 
 def write_compare_report(
-    comparison: Comparison, evaluations: dict[str, list], ks: list[int], command: str, seconds: dict[str, float]
+    comparison: Comparison,
+    evaluations: dict[str, list],
+    ks: list[int],
+    command: str,
+    seconds: dict[str, float],
+    benchmarks: dict[str, dict[str, list]],
 ) -> list[dict]:
     """compare's report (`compare_report.write_report`): the pass@k table with differences, the figures."""
     from atrctl.experiments.compare_report import write_report
@@ -407,6 +450,7 @@ def write_compare_report(
         deltas=deltas,
         eps=eps,
         seconds=seconds,
+        benchmarks=benchmarks,
     )
 
 

@@ -165,6 +165,33 @@ def table_markdown(rows: Sequence[dict], metrics: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BENCHMARK_NOTE = """Each final model on every problem of each benchmark, at the benchmark's preset (`atrctl ls`):
+pass@1 is avg@n, the mean correctness of the n samples per problem (papers' avg@32); pass@n, whether any sample
+is right. The intervals and ★ are the held-out table's."""
+
+
+def benchmark_section(directory: Path, benchmarks: dict[str, dict[str, list]]) -> str:
+    """benchmarks.csv (one row per benchmark and arm or difference) and the report's section: pass@1 (= avg@n),
+    pass@n and greedy of each arm per benchmark, with the differences from the first arm."""
+    import pandas as pd
+
+    from atrctl.tasks import PRESETS
+
+    if not benchmarks:
+        return ""
+    every, parts = [], ["## Benchmarks", "", BENCHMARK_NOTE, ""]
+    for name, results in benchmarks.items():
+        first, preset = next(iter(results.values()))[0], PRESETS[name]
+        ks = sorted({1, first.n})
+        rows = comparison_table(results, ks)
+        every += [{"benchmark": name, **row} for row in rows]
+        setting = (f"{len(first.problem_ids)} problems, n = {first.n}, T = {first.temperature:g}, "
+                   f"top-p {preset.top_p:g}, ≤{preset.max_new_tokens:,} new tokens")  # fmt: skip
+        parts += [f"### {name}: {setting}", "", table_markdown(rows, table_metrics(rows, ks))]
+    atomic.write_text(directory / "benchmarks.csv", pd.DataFrame(every).to_csv(index=False))
+    return "\n".join(parts) + "\n"
+
+
 def training_figure(runs: dict[str, list[Path]]):
     """Training curves of every arm: mean over seeds, band from the lowest to the highest seed (`curves`)."""
     from atrctl.reports.curves import curves_figure
@@ -242,8 +269,10 @@ def write_report(
     deltas: Sequence[float],
     eps: float,
     seconds: dict[str, float],
+    benchmarks: dict[str, dict[str, list]] | None = None,
 ) -> list[dict]:
-    """passk.csv / passk.md / passk.png / training.png / bounds.png / report.md in `directory`; returns the rows."""
+    """passk.csv / passk.md / passk.png / training.png / bounds.png / report.md in `directory`, and
+    benchmarks.csv where the recipe names benchmarks; returns the held-out table's rows."""
     import pandas as pd
 
     from atrctl.reports.bounds_plot import bounds_figure
@@ -299,6 +328,7 @@ def write_report(
 {table}{EXPLORATION_NOTE if "entropy" in metrics else ""}
 ![pass@k](passk.png)
 
+{benchmark_section(directory, benchmarks or {})}
 ## Training
 
 {training_markdown(trained)}

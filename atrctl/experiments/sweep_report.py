@@ -20,6 +20,7 @@ from atrctl.experiments.compare_report import (
     RESAMPLES,
     SMOOTHING,
     TRAINING,
+    benchmark_section,
     comparison_table,
     interval_text,
     mechanism_figure,
@@ -170,7 +171,9 @@ def common_axis_figure(rows: Sequence[dict], ks: Sequence[int]):
     return fig
 
 
-def write_sweep_report(sweep, evaluations: dict[str, list], ks: list[int], command: str, seconds: dict) -> list[dict]:
+def write_sweep_report(
+    sweep, evaluations: dict[str, list], ks: list[int], command: str, seconds: dict, benchmarks: dict[str, dict]
+) -> list[dict]:
     """sweep.csv / sweep.md / sweep.png / common.png / differences / training.png / mechanism.png / report.md."""
     import pandas as pd
 
@@ -231,6 +234,7 @@ step's lowest and highest ratio w; [l, u] = the ratio interval (per token for ba
 ## Differences from {baseline}
 
 {difference_table}
+{benchmark_section(directory, benchmarks)}
 ## Training
 
 ![training curves](training.png)

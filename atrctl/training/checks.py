@@ -73,21 +73,33 @@ def check_before_warmup(recipe: Recipe) -> None:
         from atrctl.rollout.vllm_engine import check_head_size
 
         check_head_size(hidden // heads, resolve_device(recipe.model.device))
-    longest = _longest_preset_prompt(json.dumps(recipe_to_dict(recipe)["task"], sort_keys=True), recipe.run.seed,
-                                     recipe.eval.problems, recipe.eval.seed)  # fmt: skip
+    section = recipe_to_dict(recipe)["task"]
+    longest = _longest_preset_prompt(json.dumps(section, sort_keys=True), recipe.run.seed, recipe.eval.problems,
+                                     recipe.eval.seed)  # fmt: skip
     check_lengths([[0] * longest], rollout.max_new_tokens, MAX_POSITIONS, LENGTH_FLAG)
+    for benchmark in recipe.eval.benchmarks:  # evaluated by compare after training: refused now, not then
+        from atrctl.tasks import PRESETS
+
+        as_benchmark = json.dumps({**section, "name": benchmark, "args": {}}, sort_keys=True)
+        longest = _longest_preset_prompt(as_benchmark, recipe.run.seed, None, recipe.eval.seed)
+        check_lengths([[0] * longest], PRESETS[benchmark].max_new_tokens, MAX_POSITIONS,
+                      f"{benchmark}'s max new tokens (eval.benchmarks)")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
-def _longest_preset_prompt(task_section: str, seed: int, problems: int, eval_seed: int) -> int:
-    """Tokens of the longest prompt a preset sees (its prompt pool and held-out problems): kept per setting, as
-    every arm of a comparison shares it and encoding the pool takes a large part of a second."""
+def _longest_preset_prompt(task_section: str, seed: int, problems: int | None, eval_seed: int) -> int:
+    """Tokens of the longest prompt a preset sees (its prompt pool and held-out problems; problems None: a
+    benchmark's, all test): kept per setting, as every arm of a comparison shares it and encoding the pool takes
+    a large part of a second."""
     from atrctl.model.loading import build_char_tokenizer
 
     section = json.loads(task_section)
     task = get_task(section["name"], **section["args"])
     style = prompt_style(task, section["chat_template"], section["system_prompt"], section["instruction"])
-    pool = problem_pool(task, "train", PROMPT_POOL, seed) + problem_pool(task, "test", problems, eval_seed)
+    if problems is None:
+        pool = task.problems("test", None, eval_seed)
+    else:
+        pool = problem_pool(task, "train", PROMPT_POOL, seed) + problem_pool(task, "test", problems, eval_seed)
     return max((len(ids) for ids in encode_prompts(build_char_tokenizer(), pool, style)), default=0)
 
 

@@ -52,7 +52,8 @@ def test_eval_table_cells_stay_on_one_line_in_a_log(monkeypatch):
     summary = {"avg@n": 0.7, "greedy": 0.87, "seed": 0, "seconds": 52.0, "entropy": 0.41}
     for k in KS:
         summary[f"pass@{k}"], summary[f"pass@{k}/low"], summary[f"pass@{k}/high"] = 0.7001, 0.6812, 0.7194
+        summary[f"avg@{k}"], summary[f"avg@{k}/low"], summary[f"avg@{k}/high"] = 0.7, 0.6513, 0.7488
         summary[f"maj@{k}"] = 0.8
     text = piped_output(monkeypatch, tables.passk_table(summary, KS, "pass@k: results/compare-grpo-atr/runs/atr-s0"))
-    assert len(re.findall(r"\[0\.6812, 0\.7194\]", text)) == len(KS)
+    assert len(re.findall(r"\[0\.6812, 0\.7194\]", text)) == len(re.findall(r"\[0\.6513, 0\.7488\]", text)) == len(KS)
     assert "entropy 0.4100 nats/token" in text  # the caption on one line too

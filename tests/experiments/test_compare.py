@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import COMPARE, compare_args, offline_runs
+from helpers import COMPARE, DATA, compare_args, offline_runs
 
 from atrctl.cli import main
 from atrctl.config.loading import load_recipe
@@ -97,8 +97,25 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkey
             assert evaluation["summary"]["evaluation/pass@1"] == pytest.approx(pass_at_1)
 
     finished = {run: (directory / "runs" / run / "summary.json").stat().st_mtime_ns for run in ("grpo-s0", "atr-s0")}
-    assert main(compare_args(tmp_path)) == 0  # again, without --report-to: runs are reused, not retrained
+    from functools import partial
+
+    from atrctl.tasks import PRESETS, TASKS, Preset
+
+    # AIME's prompts run past the tiny model's 512 positions: the stand-in file's two short ones, at a tiny preset
+    monkeypatch.setitem(TASKS, "aime25", partial(TASKS["aime25"], path=str(DATA / "aime_sample.jsonl")))
+    monkeypatch.setitem(PRESETS, "aime25", Preset(n=2, temperature=0.6, top_p=0.95, max_new_tokens=3))
+    benchmark = ["--set", 'eval.benchmarks=["aime25"]']
+    assert main(compare_args(tmp_path, *benchmark)) == 0  # again, without --report-to, with a benchmark: runs
     assert {run: (directory / "runs" / run / "summary.json").stat().st_mtime_ns for run in finished} == finished
+    report = (directory / "report.md").read_text()  # are reused, not retrained, and evaluated on it
+    assert "### aime25: 2 problems, n = 2, T = 0.6, top-p 0.95, ≤3 new tokens" in report
+    assert "| arm | seeds | pass@1 | pass@2 | greedy | entropy |" in report.split("## Benchmarks")[1]
+    rows = (directory / "benchmarks.csv").read_text().splitlines()
+    assert rows[0].startswith("benchmark,row,seeds,pass@1") and [r.split(",")[:2] for r in rows[1:]] == [
+        ["aime25", "grpo"], ["aime25", "atr"], ["aime25", "atr − grpo"]]  # fmt: skip
+    for run in finished:
+        setting = (directory / "runs" / run / "eval-aime25" / "passk.md").read_text().splitlines()[0]
+        assert setting == f"# {run}: aime25"
 
     assert main(compare_args(tmp_path, "--max-kl3", "0.05")) == 2  # a different comparison under the same name
     assert "holds a compare with another shared recipe" in capsys.readouterr().err
@@ -110,6 +127,8 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkey
         (["--n", "0"], "--n must be at least 1"),
         (["--seeds", "0"], "--seeds must be at least 1"),
         (["--max-kl3", "-1"], "max_kl3"),
+        (["--set", 'eval.benchmarks=["aime25"]'], "the longest prompt (1555 tokens) plus aime25's max new tokens"),
+        (["--set", 'eval.benchmarks=["aime"]'], "eval.benchmarks: 'aime' is not a benchmark; use one of aime24"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, extra, message):
