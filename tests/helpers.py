@@ -4,6 +4,7 @@ and the comparison command line the compare tests run."""
 from pathlib import Path
 
 from atrctl.config.loading import load_recipe
+from atrctl.model.loading import build_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -62,3 +63,21 @@ def offline_runs(directory):
     from wandb_offline import offline_run
 
     return [offline_run(path) for path in sorted((directory / "wandb").glob("offline-run-*/run-*.wandb"))]
+
+
+def qwen3_stand_in(directory, chat_template: str):
+    """Qwen3's architecture (q/k norms, grouped KV heads of size 32, which vLLM's CPU kernels take, tied embeddings)
+    at a size a CPU trains in seconds, with the character tokenizer and `chat_template`, in a model directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = chat_template
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

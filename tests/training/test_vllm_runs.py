@@ -139,3 +139,20 @@ def test_a_benchmark_is_sampled_by_vllm_where_it_is_installed(tmp_path):
     assert main(["eval", str(tmp_path / "model"), *flags]) == 0
     setting = (tmp_path / "eval" / "passk.md").read_text().splitlines()[0]
     assert "aime25 test, 2 problems, n=4, T=0.6, top-p=0.95" in setting and setting.endswith("vllm backend")
+
+
+def test_one_step_of_the_paper_recipe_runs_through_vllm_on_a_stand_in(tmp_path):
+    """recipes/paper-qwen3-1.7b.toml as it is, engine included, on a Qwen3 of test size (tests/config has the
+    same step with the hf backend, and the memory check)."""
+    from helpers import DATA, REPO, qwen3_stand_in
+
+    chat = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    model, data = qwen3_stand_in(tmp_path / "qwen3", chat), DATA / "math_sample.jsonl"
+    sets = [f"model.base={model}", f"task.args.path={data}", f"task.args.test_path={data}", "model.device=cpu",
+            "rollout.prompts=4", "rollout.group_size=4", "rollout.max_new_tokens=8", "algo.micro_batch=3",
+            "eval.problems=2", "eval.samples=1", "run.steps=1"]  # fmt: skip
+    args = ["train", "--recipe", str(REPO / "recipes" / "paper-qwen3-1.7b.toml"), "--name", "run"]
+    assert main([*args, "--results", str(tmp_path), *[item for s in sets for item in ("--set", s)]]) == 0
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert record["step"] == 1 and "eval/greedy" in record
+    assert 'backend = "vllm"' in (tmp_path / "run" / "config.toml").read_text()
