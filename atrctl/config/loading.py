@@ -180,26 +180,25 @@ Kept here, where recipes are read, so that checking a recipe needs no tracker co
 
 def check_report_to(names: typing.Sequence[str]) -> None:
     """run.report_to names known trackers, each once (checked while the recipe is read)."""
-    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-        raise UserError(f'run.report_to must be a list of tracker names such as ["wandb"], got {names!r}')
-    for name in names:
-        if name not in TRACKERS:
-            raise UserError(f"run.report_to: '{name}' is not one of {', '.join(TRACKERS)}")
-    if len(set(names)) < len(names):
-        raise UserError(f"run.report_to names a tracker twice: {names}")
+    check_names("run.report_to", names, TRACKERS, "tracker", "wandb")
 
 
 def check_benchmarks(names: typing.Sequence[str]) -> None:
     """eval.benchmarks names benchmark tasks, each once (checked while the recipe is read)."""
     from atrctl.tasks import PRESETS
 
+    check_names("eval.benchmarks", names, tuple(PRESETS), "benchmark", "aime25")
+
+
+def check_names(where: str, names: typing.Sequence[str], known: tuple[str, ...], what: str, example: str) -> None:
+    """A recipe key that lists names of `known` things (trackers, benchmarks): a list of strings, each known, once."""
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-        raise UserError(f'eval.benchmarks must be a list of benchmark names such as ["aime25"], got {names!r}')
+        raise UserError(f'{where} must be a list of {what} names such as ["{example}"], got {names!r}')
     for name in names:
-        if name not in PRESETS:
-            raise UserError(f"eval.benchmarks: '{name}' is not a benchmark; use one of {', '.join(PRESETS)}")
+        if name not in known:
+            raise UserError(f"{where}: '{name}' is not a {what}; use one of {', '.join(known)}")
     if len(set(names)) < len(names):
-        raise UserError(f"eval.benchmarks names a benchmark twice: {names}")
+        raise UserError(f"{where} names a {what} twice: {names}")
 
 
 def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:

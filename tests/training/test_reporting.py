@@ -41,7 +41,7 @@ def test_report_to_names_known_trackers_once():
     check_report_to([])
     check_report_to(["wandb", "tensorboard"])
     for bad, message in [
-        (["wandbb"], "run.report_to: 'wandbb' is not one of tensorboard, wandb"),
+        (["wandbb"], "run.report_to: 'wandbb' is not a tracker; use one of tensorboard, wandb"),
         (["wandb", "wandb"], "names a tracker twice"),
         ("wandb", "run.report_to must be a list"),
     ]:
@@ -85,7 +85,7 @@ def test_report_to_flag_and_missing_wandb_are_one_line_before_anything_is_writte
 
     sets = [arg for item in FAST for arg in ("--set", item)]
     assert main(["train", "--results", str(tmp_path), "--name", "r", "--report-to", "wandb,tb", *sets]) == 2
-    assert "run.report_to: 'tb' is not one of tensorboard, wandb" in capsys.readouterr().err
+    assert "run.report_to: 'tb' is not a tracker; use one of tensorboard, wandb" in capsys.readouterr().err
 
     real_import = builtins.__import__
 
