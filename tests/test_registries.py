@@ -21,7 +21,7 @@ from atrctl.model.loading import ARCHS
 from atrctl.model.numerics import DTYPES
 from atrctl.reports.catalog import sections
 from atrctl.rollout.backend import ROLLOUT_BACKENDS
-from atrctl.tasks import TASKS
+from atrctl.tasks import PRESETS, TASKS
 from atrctl.training import step as step_module
 from atrctl.training.loop import train
 
@@ -85,6 +85,8 @@ def test_ls_lists_every_registry_entry_with_its_parameters(capsys):
     assert all(name in out for name in names), [name for name in names if name not in out]
     assert "max_kl3=0.1" in out and "digits=3" in out  # parameters come with their defaults
     assert "[0.616817, 1.516221]" in out  # atr's interval at its default δ
+    presets = out.split("benchmark presets")[1].split("rollout backends")[0]  # each benchmark with its settings
+    assert all(name in presets for name in PRESETS) and "32,768" in presets and "0.95" in presets
 
 
 def test_a_registered_loss_and_estimator_train_end_to_end(results, monkeypatch):
