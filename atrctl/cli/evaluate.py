@@ -143,7 +143,8 @@ def eval_command(
         top_p=top_p,
         keep=keep,
     )
-    with progress.sampling_bar(problems or 0) if distributed.is_main() else nullcontext() as on_progress:
+    bar = progress.sampling_bar(0) if distributed.is_main() else nullcontext()  # its total: the first report's
+    with bar as on_progress:
         done = run_evaluation(spec, target, **settings, on_progress=on_progress)
     if done is None:  # a rank other than 0: rank 0 prints
         return

@@ -211,8 +211,10 @@ def training_bars(loss: str, steps: int, warmup_steps: int):
 
 @contextmanager
 def sampling_bar(total: int) -> Iterator[Callable[[int, int], None]]:
-    """A bar over problems sampled; yields on_progress(done, total) (total: this process's share)."""
-    columns = (TextColumn("sampling"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"), TimeRemainingColumn())
+    """A bar over completions sampled (greedy ones first); yields on_progress(done, total) (total: this process's
+    share)."""
+    columns = (TextColumn("sampling"), BarColumn(), MofNCompleteColumn(), TextColumn("completions"),
+               TimeRemainingColumn())  # fmt: skip
     with live_or_plain(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("sampling", total=total)
         yield lambda done, share: progress.update(bar, completed=done, total=share)

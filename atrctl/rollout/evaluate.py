@@ -71,7 +71,7 @@ def evaluate_model(
     blocks of `batch_size` problems.  Under a joined process group (torchrun) rank r takes chunks and
     blocks r, r + W, ... and every rank receives the whole result, in problem order: the samples of a
     problem do not depend on the world size, so W processes give the 1-process result.
-    on_progress(problems sampled, total) follows this process's share of the sampling.
+    on_progress(completions done, total) follows this process's share: each greedy block, then each chunk.
     """
     import torch
 
@@ -101,6 +101,15 @@ def evaluate_model(
     kept: dict[int, list[dict]] = {}
     greedy: dict[int, bool] = {}
     blocks = [range(f, min(f + batch_size, len(problems))) for f in range(0, len(problems), batch_size)]
+    mine = sample_chunks(len(problems), n, batch_size)[rank::world]
+    done, total = 0, sum(len(block) for block in blocks[rank::world]) + n * sum(len(chunk) for chunk in mine)
+
+    def advance(completions: int) -> None:
+        nonlocal done
+        done += completions
+        if on_progress is not None:
+            on_progress(done, total)
+
     for block in blocks[rank::world]:
         texts: list[list[str]] = []
         scores = sampled_scores(
@@ -118,10 +127,9 @@ def evaluate_model(
         greedy.update((i, row[0].reward >= 1) for i, row in zip(block, scores, strict=True))
         for i, row, text in zip(block, scores, texts, strict=True):
             kept[i] = shown(i, "greedy", text, row)
+        advance(len(block))
 
     sampled: dict[int, tuple] = {}  # problem -> (rewards, parsed, forms, (nats, tokens) per sample)
-    mine = sample_chunks(len(problems), n, batch_size)[rank::world]
-    total = sum(len(chunk) for chunk in mine)
     for chunk in mine:
         generator = torch.Generator(device).manual_seed(eval_chunk_seed(seed, chunk.start))
         texts, surprisal = [], []
@@ -146,8 +154,7 @@ def evaluate_model(
         )
         for i, row, text in zip(chunk, scores, texts, strict=True):
             kept[i] = kept.get(i, []) + shown(i, "sample", text[:keep], row[:keep])
-        if on_progress is not None:
-            on_progress(len(sampled), total)
+        advance(n * len(chunk))
 
     sampler.join_peers()  # ranks with fewer chunks take part in the others' engine calls
     shown_rows: dict[int, list[dict]] = {}

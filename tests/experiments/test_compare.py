@@ -61,14 +61,16 @@ def test_two_level_bootstrap_covers_seed_noise():
 
 
 @pytest.mark.slow
-def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkeypatch):
+def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkeypatch, request):
     monkeypatch.setenv("ATRCTL_PROGRESS_SECONDS", "0")  # every update, as plain lines: stdout is not a terminal
     wandb = importlib.util.find_spec("wandb") is not None  # the dev extra has it: its runs are checked here too
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert main(compare_args(tmp_path, *(["--report-to", "wandb"] if wandb else []))) == 0
     directory = tmp_path / "compare-grpo-atr"
     out = capsys.readouterr().out
-    assert "\x1b" not in out and out.count("train 2 runs  4/4") == 1 and "eval grpo-s0  8/8" in out
+    assert (
+        "\x1b" not in out and out.count("train 2 runs  4/4") == 1 and "eval grpo-s0  40/40" in out
+    )  # completions: 8 greedy, 8 × 4 sampled
     for run in ("grpo", "atr"):  # the training children write theirs to their logs
         log = (directory / "runs" / f"{run}-s0.log").read_text()
         assert "\x1b" not in log and f"train {run}  2/2  reward " in log
@@ -104,6 +106,9 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkey
     # AIME's prompts run past the tiny model's 512 positions: the stand-in file's two short ones, at a tiny preset
     monkeypatch.setitem(TASKS, "aime25", partial(TASKS["aime25"], path=str(DATA / "aime_sample.jsonl")))
     monkeypatch.setitem(PRESETS, "aime25", Preset(n=2, temperature=0.6, top_p=0.95, max_new_tokens=3))
+    from atrctl.training.checks import _longest_preset_prompt  # its cache would keep the stand-in's prompts
+
+    request.addfinalizer(_longest_preset_prompt.cache_clear)
     benchmark = ["--set", 'eval.benchmarks=["aime25"]']
     assert main(compare_args(tmp_path, *benchmark)) == 0  # again, without --report-to, with a benchmark: runs
     assert {run: (directory / "runs" / run / "summary.json").stat().st_mtime_ns for run in finished} == finished

@@ -157,7 +157,7 @@ def test_evaluate_model_is_reproducible_and_consistent(tiny):
     assert result.rewards.shape == (6, 8) and len(result.parsed) == 6 and all(len(r) == 8 for r in result.parsed)
     assert result.greedy.shape == (6,) and result.greedy.dtype == bool
     assert result.problem_ids == [p.id for p in problems] and result.n == 8 and result.seconds > 0
-    assert seen == [(2, 6), (4, 6), (6, 6)]  # 16 // 8 = 2 problems per batch
+    assert seen == [(6, 54), (22, 54), (38, 54), (54, 54)]  # 6 greedy at once, then 16 // 8 = 2 problems a batch
     assert 0 < result.rewards.mean() < 1  # both outcomes occur, so the figures below mean something
     for row, answers in zip(result.rewards, result.parsed, strict=True):
         assert all((r == 1) == (a is not None and a in "01234") for r, a in zip(row, answers, strict=True))
