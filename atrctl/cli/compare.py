@@ -142,8 +142,8 @@ def sweep(
         loss, grid, vs or [], seeds=seeds, n=n, problems=problems, jobs=jobs, recipe=config, max_kl3=max_kl3,
         eps=eps, eps_high=eps_high, name=name, overwrite=overwrite, results=results,
     )  # fmt: skip
-    report = lambda comparison, evaluations, ks, text, seconds: write_sweep_report(  # noqa: E731
-        planned, evaluations, ks, text, seconds
+    report = lambda comparison, evaluations, ks, text, seconds, benchmarks: write_sweep_report(  # noqa: E731
+        planned, evaluations, ks, text, seconds, benchmarks
     )
     _run_and_show(planned.comparison, tables.sweep_results_table, report, n=n, problems=problems, jobs=jobs,
                   results=results, command=command)  # fmt: skip

@@ -98,6 +98,10 @@ def sized_micro_batch(
     return sized_micro_batch_rows(model.config, tokens_per_row, checkpointing, budget)
 
 
+GPU_MEMORY_SHARE = 0.3
+"""The share of a GPU the vllm backend's engine may take (weights and KV cache) beside the policy it trains:
+TRL's colocate default, which leaves the trainer most of the card (`rollout.engine_args.gpu_memory_utilization`
+overrides it)."""
 CUDA_OVERHEAD = 2 * 2**30
 """Bytes a GPU process holds beyond its tensors (CUDA context, kernels, the allocator's slack): an allowance,
 not measured here."""
@@ -116,8 +120,6 @@ def gpu_plan(config, recipe, device_bytes: int, prompt_tokens: int, world: int =
     Under `engine KV cache (tokens)`, the tokens the engine's cache holds (not bytes, not in the sum)."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from atrctl.rollout.vllm_engine import GPU_MEMORY_SHARE
 
     if recipe.model.lora:
         raise ValueError("gpu_plan models full fine-tuning (model.lora is not modelled)")

@@ -23,6 +23,7 @@ import torch
 
 from atrctl.errors import UserError
 from atrctl.model.batch import Rollout, left_pad
+from atrctl.model.memory import GPU_MEMORY_SHARE
 from atrctl.rollout.backend import NonFiniteProbabilities, check_sampling
 from atrctl.rollout.hf import stop_tokens
 from atrctl.runtime import distributed
@@ -42,10 +43,6 @@ SmolLM2-135M in float32; a batch that needs more waits for room, it does not fai
 CPU_STEP_TOKENS = 8192
 """Prompt tokens one CPU engine step may prefill (vLLM's default budget is 4096): without chunked prefill the
 budget must hold the longest sequence the model takes."""
-
-GPU_MEMORY_SHARE = 0.3
-"""The share of a GPU the engine may take (weights and KV cache) beside the policy it trains: TRL's colocate
-default, which leaves the trainer most of the card."""
 
 
 def engine_defaults(device: torch.device, positions: int | None) -> dict[str, Any]:
