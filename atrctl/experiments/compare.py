@@ -221,11 +221,12 @@ def evaluate_arms(
     """Every final model on the same held-out problems, with the same n and sampling seed; or, given a
     `benchmark`, on all of its problems at its preset (`atrctl ls`).  A run evaluated before with exactly this
     key (`evaluation.evaluation_key`: model files, problems, settings, code) is read back from where it was
-    kept (eval/, or eval-<benchmark>/) instead of sampled again."""
+    kept (eval/, or eval-<benchmark>/) instead of sampled again; either way its passk files are written there."""
     from dataclasses import replace
 
+    from atrctl.core.passk import default_ks
     from atrctl.experiments.evaluation import evaluate_target, evaluation_key
-    from atrctl.reports.eval_report import load_result, save_result
+    from atrctl.reports.eval_report import load_result, save_result, write_eval
     from atrctl.tasks import PRESETS, get_task
 
     recipe = comparison.recipe
@@ -262,6 +263,7 @@ def evaluate_arms(
                 progress = None if on_progress is None else (lambda d, t, name=directory.name: on_progress(name, d, t))
                 result = evaluate_target(spec, task, held_out, **settings, on_progress=progress)
                 save_result(where, key, result)
+            write_eval(result, default_ks(result.n), where, f"{directory.name}: {benchmark or 'pass@k'}")
             results[label].append(result)
     return results
 
@@ -371,7 +373,6 @@ def run_comparison(
     process at a time: a second one on the same comparison is refused.
     """
     from atrctl.core.passk import default_ks
-    from atrctl.reports.eval_report import write_eval
     from atrctl.training.trackers import report_evaluation
 
     def show(key: str, description: str, done: int, total: int, note: str = "") -> None:
@@ -400,8 +401,7 @@ def run_comparison(
         ks = default_ks(n)
         evaluated_in = arm_evaluations(comparison)
         for label, directories in arm_runs(comparison).items():
-            for directory, where, result in zip(directories, evaluated_in[label], evaluations[label], strict=True):
-                write_eval(result, ks, where, f"{directory.name}: pass@k")
+            for directory, where in zip(directories, evaluated_in[label], strict=True):
                 if where != RunDir(directory).eval:
                     continue  # a run given as an arm: its own trackers are its own, not written to
                 try:  # to the run's own trackers; a tracker that fails costs the comparison nothing
@@ -415,11 +415,6 @@ def run_comparison(
                 comparison, n, problems, lambda run, d, t, b=name: show(f"{b} {run}", f"{b} {run}", d, t), name
             )
             seconds[f"{name} (wall)"] = time.perf_counter() - phase
-            evaluated_in = arm_evaluations(comparison, name)
-            for label, directories in arm_runs(comparison).items():
-                for directory, where, result in zip(directories, evaluated_in[label], benchmarks[name][label],
-                                                    strict=True):  # fmt: skip
-                    write_eval(result, default_ks(result.n), where, f"{directory.name}: {name}")
         seconds["total"] = time.perf_counter() - started
         report = report or write_compare_report
         return report(comparison, evaluations, ks, command, seconds, benchmarks), ks

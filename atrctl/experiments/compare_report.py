@@ -165,9 +165,9 @@ def table_markdown(rows: Sequence[dict], metrics: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-BENCHMARK_NOTE = """Each final model on every problem of each benchmark, at the benchmark's preset (`atrctl ls`):
-pass@1 is avg@n, the mean correctness of the n samples per problem (papers' avg@32); pass@n, whether any sample
-is right. The intervals and ★ are the held-out table's."""
+BENCHMARK_NOTE = """Each final model on every problem of each benchmark, at the benchmark's preset (`atrctl ls`), in
+the prompt style the run was trained with: pass@1 is avg@n, the mean correctness of the n samples per problem
+(papers' avg@32); pass@n, whether any sample is right. The intervals and ★ are the held-out table's."""
 
 
 def benchmark_section(directory: Path, benchmarks: dict[str, dict[str, list]]) -> str:

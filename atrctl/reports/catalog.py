@@ -115,7 +115,7 @@ def sections(recipes: Path = RECIPES) -> list[Section]:
                     "yes" if p.chat_template else "no",
                 )
                 for name, p in PRESETS.items()
-            ],  # fmt: skip
+            ],
         ),
         Section("rollout backends (rollout.backend)", ("name", "implementation"), list(ROLLOUT_BACKENDS.items())),
         Section(

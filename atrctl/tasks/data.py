@@ -39,12 +39,7 @@ def load_problems(
     """Problems per split; rows that to_problem cannot use (None) are skipped with a warning."""
     sources = _load(task, str(path), config, None if test_path is None else str(test_path))
     for source, dataset in sources:
-        missing = [f for f in fields if f not in dataset.column_names]
-        if missing:
-            raise UserError(
-                f"{source} lacks field(s) {', '.join(missing)}; the {task} task expects rows with "
-                f"{', '.join(fields)} (has: {', '.join(dataset.column_names)})"
-            )
+        check_fields(task, source, dataset.column_names, fields)
     if len(sources) == 1:
         rows: dict[str, list[dict]] = {split: [] for split in SPLITS}
         for row in sources[0][1].to_list():
@@ -52,12 +47,7 @@ def load_problems(
     else:
         rows = {split: dataset.to_list() for split, (_, dataset) in zip(SPLITS, sources, strict=True)}
     problems = {split: [p for p in map(to_problem, rows[split]) if p is not None] for split in SPLITS}
-    total = sum(len(rows[split]) for split in SPLITS)
-    skipped = total - sum(len(problems[split]) for split in SPLITS)
-    if skipped and skipped == total:
-        raise UserError(f"no usable {task} rows in {path}: none has a reference answer in the expected format")
-    if skipped:
-        log.warning("note: skipped %d of %d %s rows without a usable reference answer", skipped, total, task)
+    note_skipped(task, str(path), sum(map(len, problems.values())), sum(map(len, rows.values())))
     return problems
 
 
@@ -86,19 +76,28 @@ def usable_rows(
 ) -> list[Problem]:
     """The problems of `rows` (a source's every row, with `columns`), its missing fields and unusable rows
     refused or noted as a data set task's are."""
+    check_fields(task, source, columns, fields)
+    problems = [p for p in map(to_problem, rows) if p is not None]
+    note_skipped(task, source, len(problems), len(rows))
+    return problems
+
+
+def check_fields(task: str, source: str, columns: list[str], fields: tuple[str, ...]) -> None:
+    """Refuse a source whose rows lack a field the task reads, naming what it has."""
     missing = [f for f in fields if f not in columns]
     if missing:
         raise UserError(
             f"{source} lacks field(s) {', '.join(missing)}; the {task} task expects rows with "
             f"{', '.join(fields)} (has: {', '.join(columns)})"
         )
-    problems = [p for p in map(to_problem, rows) if p is not None]
-    if not problems:
+
+
+def note_skipped(task: str, source: str, usable: int, total: int) -> None:
+    """Refuse a source without one usable row; say how many rows were skipped where only some were."""
+    if not usable:
         raise UserError(f"no usable {task} rows in {source}: none has a reference answer in the expected format")
-    if len(problems) < len(rows):
-        log.warning("note: skipped %d of %d %s rows without a usable reference answer", len(rows) - len(problems),
-                    len(rows), task)  # fmt: skip
-    return problems
+    if usable < total:
+        log.warning("note: skipped %d of %d %s rows without a usable reference answer", total - usable, total, task)
 
 
 def _load(task: str, path: str, config: str | None, test_path: str | None) -> list[tuple[str, Any]]:

@@ -77,9 +77,9 @@ def check_before_warmup(recipe: Recipe) -> None:
     longest = _longest_preset_prompt(json.dumps(section, sort_keys=True), recipe.run.seed, recipe.eval.problems,
                                      recipe.eval.seed)  # fmt: skip
     check_lengths([[0] * longest], rollout.max_new_tokens, MAX_POSITIONS, LENGTH_FLAG)
-    for benchmark in recipe.eval.benchmarks:  # evaluated by compare after training: refused now, not then
-        from atrctl.tasks import PRESETS
+    from atrctl.tasks import PRESETS
 
+    for benchmark in recipe.eval.benchmarks:  # evaluated by compare after training: refused now, not then
         as_benchmark = json.dumps({**section, "name": benchmark, "args": {}}, sort_keys=True)
         longest = _longest_preset_prompt(as_benchmark, recipe.run.seed, None, recipe.eval.seed)
         check_lengths([[0] * longest], PRESETS[benchmark].max_new_tokens, MAX_POSITIONS,
