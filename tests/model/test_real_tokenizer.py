@@ -184,8 +184,9 @@ def test_the_default_sampling_batch_is_sized_from_the_models_kv_cache():
     assert sized_batch(build_model("tiny", build_char_tokenizer()), 16) == MAX_SAMPLE_BATCH  # the presets: as before
 
 
-def test_one_step_of_the_smollm2_recipe_runs_on_its_stand_in(model_dir, tmp_path):
-    recipe = REPO / "recipes" / "smollm2-arith-cpu.toml"
+@pytest.mark.parametrize("name", ["smollm2-arith-cpu", "smollm2-offpolicy-cpu"])
+def test_one_step_of_the_smollm2_recipe_runs_on_its_stand_in(name, model_dir, tmp_path):
+    recipe = REPO / "recipes" / f"{name}.toml"
     sets = [f"model.base={model_dir}", "rollout.prompts=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
             "eval.problems=2", "eval.samples=1", "run.steps=1"]  # fmt: skip
     args = ["train", "--recipe", str(recipe), "--name", "run", "--results", str(tmp_path)]
