@@ -23,9 +23,10 @@ RESAMPLES = 2000
 TRAINING_METRICS = ("reward/mean", "entropy", "kl3/mean", "clip/low", "clip/high")
 
 
-TRAINING = ("final entropy", "clip/low", "clip/high", "kl3/mean", "ratio/min", "ratio/max")
-"""Per-run training figures of the table: the policy's entropy over the last SMOOTHING steps, and the mean
-over all steps of the clip fractions, KL3 per token and each step's ratio extremes."""
+TRAINING = ("final entropy", "clip/low", "clip/high", "kl3/mean", "ratio/min", "ratio/max", "bad steps")
+"""Per-run training figures of the table: the policy's entropy over the last SMOOTHING steps, the mean over
+all steps of the clip fractions, KL3 per token and each step's ratio extremes, and the bad steps (updates
+undone or skipped, `atrctl.training.bad_steps`): how stable each arm trained."""
 
 
 def training_stats(directory: Path) -> dict[str, float]:
@@ -37,7 +38,8 @@ def training_stats(directory: Path) -> dict[str, float]:
         return float(np.mean(values)) if values else float("nan")
 
     stats = {"final entropy": mean("entropy", SMOOTHING)}
-    stats.update({key: mean(key) for key in TRAINING[1:]})
+    stats.update({key: mean(key) for key in TRAINING[1:-1]})
+    stats["bad steps"] = float(records[-1].get("skipped_steps", 0)) if records else float("nan")  # a running count
     return stats
 
 
@@ -52,7 +54,7 @@ def interval_text(row: dict, column: str) -> str:
 TRAINING_NOTE = f"""Training figures are the mean [lowest, highest] over an arm's seeds: final entropy = the policy's
 entropy over the last {SMOOTHING} steps; clip/low, clip/high (the share of tokens whose gradient the loss removed or
 cut below half, by side), kl3/mean = means over all steps; ratio range = the mean of each step's lowest and
-highest ratio w."""
+highest ratio w; bad steps = the updates undone or skipped as non-finite, summed over the seeds."""
 
 
 def training_rows(runs: dict[str, list[Path]]) -> list[dict]:
@@ -73,14 +75,25 @@ def training_rows(runs: dict[str, list[Path]]) -> list[dict]:
 
 
 def training_markdown(rows: Sequence[dict]) -> str:
-    """The training table: each figure as mean [lowest, highest] over seeds, the ratio range as its means."""
+    """The training table: each figure as mean [lowest, highest] over seeds, the ratio range as its means, the
+    bad steps as their sum."""
     columns = TRAINING[:4]
-    lines = ["| arm | seeds | " + " | ".join(columns) + " | ratio range |", "|" + "---|" * (len(columns) + 3)]
+    head = "| arm | seeds | " + " | ".join(columns) + " | ratio range | bad steps |"
+    lines = [head, "|" + "---|" * (len(columns) + 4)]
     for row in rows:
-        ratio = f"{row['ratio/min']:.3f}–{row['ratio/max']:.3f}" if np.isfinite(row["ratio/min"]) else "—"
         cells = [interval_text(row, column) for column in columns]
-        lines.append(f"| {row['arm']} | {row['seeds']} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append(f"| {row['arm']} | {row['seeds']} | " + " | ".join(cells) + f" | {ratio_range(row)} | "
+                     f"{bad_steps_text(row)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def ratio_range(row: dict) -> str:
+    return f"{row['ratio/min']:.3f}–{row['ratio/max']:.3f}" if np.isfinite(row["ratio/min"]) else "—"
+
+
+def bad_steps_text(row: dict) -> str:
+    """The bad steps of an arm's seeds, summed (the row holds their mean)."""
+    return f"{round(row['bad steps'] * row['seeds'])}" if np.isfinite(row["bad steps"]) else "—"
 
 
 def two_level_bootstrap(arrays: Sequence[np.ndarray], resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
@@ -228,6 +241,48 @@ def mechanism_summary(directories: Sequence[Path]) -> dict[str, list[float]]:
     return panels
 
 
+BIN_LABELS = ("p<0.1", "0.1–0.5", "0.5–0.9", "≥0.9")  # OLD_PROBABILITY_BINS as the figures and tables show them
+MECHANISM_COLUMNS = {"dlogp/pos/{bin}": "Δ log p, A>0", "dlogp/neg/{bin}": "Δ log p, A<0",
+                     "clip/high/{bin}": "clip/high", "clip/low/{bin}": "clip/low"}  # fmt: skip
+
+
+def mechanism_rows(runs: dict[str, list[Path]]) -> list[dict]:
+    """Per arm and p_old bin, MECHANISM_PANELS as the mean over the arm's seeds of each seed's figure, with the
+    lowest and highest seed: does an arm move probability toward the tokens it was already sure of?"""
+    rows = []
+    for label, directories in runs.items():
+        per_seed = [mechanism_summary([directory]) for directory in directories]
+        for i, name in enumerate(BIN_LABELS):
+            row = {"arm": label, "p_old": name, "seeds": len(per_seed)}
+            for key in MECHANISM_COLUMNS:
+                values = np.array([summary[key][i] for summary in per_seed])
+                values = values[np.isfinite(values)]
+                row[key], row[f"{key} low"], row[f"{key} high"] = (
+                    (float(values.mean()), float(values.min()), float(values.max())) if values.size else (np.nan,) * 3
+                )
+            rows.append(row)
+    return rows
+
+
+def mechanism_markdown(rows: Sequence[dict]) -> str:
+    """The mechanism table: one row per arm and p_old bin, each figure as mean [lowest, highest] over seeds."""
+    lines = [
+        "| arm | p_old | " + " | ".join(MECHANISM_COLUMNS.values()) + " |",
+        "|" + "---|" * (2 + len(MECHANISM_COLUMNS)),
+    ]
+    for row in rows:
+        cells = [interval_text(row, key) for key in MECHANISM_COLUMNS]
+        lines.append(f"| {row['arm']} | {row['p_old']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+MECHANISM_NOTE = """Where the trust region acts, by the probability p_old the sampler gave the token: Δ log p = the mean
+of ln w = log π_θ − log π_old over the tokens of advantage A>0 (A<0) when their mini-batch was trained, i.e. how
+far the step's earlier optimiser steps had already moved them since the rollout (0 in the first, on-policy
+one); clip/high, clip/low = the share of those tokens whose gradient the loss removed or halved.  Each figure
+is the mean over an arm's seeds of that seed's figure over all steps [lowest, highest seed]."""
+
+
 def mechanism_figure(runs: dict[str, list[Path]]):
     """Where each arm's trust region acts, by the sampling probability of the token: the share of tokens whose
     gradient the clip removed and the mean change of log-probability, per p_old bin (grouped bars)."""
@@ -243,7 +298,7 @@ def mechanism_figure(runs: dict[str, list[Path]]):
     for (key, _, title), ax in zip(MECHANISM_PANELS, axes, strict=True):
         for i, (colour, (label, summary)) in enumerate(zip(arm_colours(len(runs)), summaries.items(), strict=True)):
             ax.bar(x + (i - (len(runs) - 1) / 2) * width, summary[key], width, label=label, color=colour)
-        ax.set_xticks(x, ["p<0.1", "0.1–0.5", "0.5–0.9", "≥0.9"])
+        ax.set_xticks(x, BIN_LABELS)
         ax.set(title=title, xlabel="p_old of the token")
         ax.axhline(0, color="0.3", lw=0.6)
         ax.grid(alpha=0.3, axis="y")
@@ -302,6 +357,8 @@ def write_report(
     atomic.write_text(directory / "training.csv", pd.DataFrame(trained).to_csv(index=False))
     save_figure(training_figure(runs), directory / "training.png")
     save_figure(mechanism_figure(runs), directory / "mechanism.png")
+    mechanism = mechanism_rows(runs)
+    atomic.write_text(directory / "mechanism.csv", pd.DataFrame(mechanism).to_csv(index=False))
     save_figure(bounds_figure(deltas, eps), directory / "bounds.png")
 
     starred = [row["row"] for row in rows[len(results) :] if any(row.get(f"{m} excludes_0") for m in metrics)]
@@ -337,6 +394,9 @@ def write_report(
 ![training curves](training.png)
 
 ![where the trust region acts](mechanism.png)
+
+{mechanism_markdown(mechanism)}
+{MECHANISM_NOTE}
 
 ## Trust regions
 

@@ -17,13 +17,18 @@ import numpy as np
 from atrctl.experiments.compare_report import (
     EXPLORATION_NOTE,
     LEVEL,
+    MECHANISM_NOTE,
     RESAMPLES,
     SMOOTHING,
     TRAINING,
+    bad_steps_text,
     benchmark_section,
     comparison_table,
     interval_text,
     mechanism_figure,
+    mechanism_markdown,
+    mechanism_rows,
+    ratio_range,
     save_figure,
     table_markdown,
     table_metrics,
@@ -70,11 +75,11 @@ def sweep_rows(sweep, evaluations: dict[str, list], ks: Sequence[int]) -> tuple[
 def sweep_markdown(rows: Sequence[dict], metrics: Sequence[str]) -> str:
     """The sweep table: evaluation figures as mean [CI], training figures as mean [seed range]."""
     columns = [*metrics, *TRAINING[:4]]
-    head = "| arm | seeds | " + " | ".join(columns) + " | ratio range | [l, u] |"
-    lines = [head, "|" + "---|" * (len(columns) + 4)]
+    head = "| arm | seeds | " + " | ".join(columns) + " | ratio range | bad steps | [l, u] |"
+    lines = [head, "|" + "---|" * (len(columns) + 5)]
     for row in rows:
         cells = [interval_text(row, c) for c in columns]
-        cells.append(f"{row['ratio/min']:.3f}–{row['ratio/max']:.3f}" if np.isfinite(row["ratio/min"]) else "—")
+        cells += [ratio_range(row), bad_steps_text(row)]
         bands = row["loss"] in ("tv-band", "kl-band")
         cells.append(
             f"[{row['l']:.4f}, {row['u']:.4f}]" if np.isfinite(row["width"]) else "per token" if bands else "—"
@@ -194,6 +199,8 @@ def write_sweep_report(
     runs = arm_runs(comparison)
     save_figure(training_figure(runs), directory / "training.png")
     save_figure(mechanism_figure(runs), directory / "mechanism.png")
+    mechanism = mechanism_rows(runs)
+    atomic.write_text(directory / "mechanism.csv", pd.DataFrame(mechanism).to_csv(index=False))
 
     baseline = (sweep.references[0] if sweep.references else comparison.arms[0]).label
     difference_table = table_markdown(differences, metrics)
@@ -223,7 +230,8 @@ training figures show the mean [lowest, highest] over seeds.
 {table}
 Columns: {", ".join(metrics)} on the held-out problems; final entropy = the policy's entropy over the last
 {SMOOTHING} training steps; clip/low, clip/high, kl3/mean = means over all steps; ratio range = the mean of each
-step's lowest and highest ratio w; [l, u] = the ratio interval (per token for bands; — where the loss has none).
+step's lowest and highest ratio w; bad steps = updates undone or skipped as non-finite, summed over the seeds;
+[l, u] = the ratio interval (per token for bands; — where the loss has none).
 {EXPLORATION_NOTE if "entropy" in metrics else ""}
 ![figures against the swept parameter](sweep.png)
 
@@ -240,6 +248,9 @@ step's lowest and highest ratio w; [l, u] = the ratio interval (per token for ba
 ![training curves](training.png)
 
 ![where the trust region acts](mechanism.png)
+
+{mechanism_markdown(mechanism)}
+{MECHANISM_NOTE}
 
 ## Wall times (seconds)
 

@@ -210,7 +210,8 @@ def test_the_training_table_gives_each_arms_mean_and_seed_range(tmp_path):
         directory = tmp_path / name
         directory.mkdir()
         records = [{"step": i + 1, "entropy": entropy if i >= 2 else 9.0, "clip/low": clip_low, "clip/high": 0.0,
-                    "kl3/mean": 0.01, "ratio/min": 0.5, "ratio/max": 2.0} for i in range(SMOOTHING + 2)]  # fmt: skip
+                    "kl3/mean": 0.01, "ratio/min": 0.5, "ratio/max": 2.0, "skipped_steps": int(i >= 2 and name == "a1")}
+                   for i in range(SMOOTHING + 2)]  # fmt: skip
         (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         return directory
 
@@ -221,3 +222,28 @@ def test_the_training_table_gives_each_arms_mean_and_seed_range(tmp_path):
     table = training_markdown(rows)
     assert "| a | 2 | 1.500 [1.000, 2.000] | 0.200 [0.100, 0.300] | 0.000 [0.000, 0.000] |" in table
     assert "| b | 1 |" in table and "0.500–2.000" in table
+    assert rows[0]["bad steps high"] == 1 and table.count(" | 0.500–2.000 | 1 |") == 1  # a1's one, the last count
+    assert " | 0.500–2.000 | 0 |" in table  # b had none
+
+
+def test_the_mechanism_table_gives_each_arms_seed_mean_and_range_per_bin(tmp_path):
+    """Δ log p per p_old bin: each seed's mean over its steps, then mean [lowest, highest] over the seeds; a
+    cell no seed measured is a dash."""
+    from atrctl.experiments.compare_report import mechanism_markdown, mechanism_rows
+
+    def run(name, moves):
+        directory = tmp_path / name
+        directory.mkdir()
+        records = [{"step": i + 1, "dlogp/pos/p90-100": move, "tokens/pos/p90-100": 0.5, "clip/high/p90-100": 0.1}
+                   for i, move in enumerate(moves)]  # fmt: skip
+        (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return directory
+
+    rows = mechanism_rows({"a": [run("a0", [0.1, 0.3]), run("a1", [0.4])]})
+    assert [row["p_old"] for row in rows] == ["p<0.1", "0.1–0.5", "0.5–0.9", "≥0.9"]
+    sure = rows[3]
+    assert sure["dlogp/pos/{bin}"] == pytest.approx(0.3) and sure["dlogp/pos/{bin} low"] == pytest.approx(0.2)
+    assert sure["dlogp/pos/{bin} high"] == pytest.approx(0.4) and sure["clip/high/{bin}"] == pytest.approx(0.2)
+    table = mechanism_markdown(rows)
+    assert "| a | ≥0.9 | 0.300 [0.200, 0.400] | — | 0.200 [0.200, 0.200] | — |" in table
+    assert "| a | p<0.1 | — | — | — | — |" in table

@@ -144,7 +144,12 @@ def test_a_two_point_sweep_resumes_after_an_interruption_and_reuses_its_points(t
         assert row["kl3/mean"] == pytest.approx(np.mean([r["kl3/mean"] for r in records]))
         assert row["final entropy"] == pytest.approx(np.mean([r["entropy"] for r in records]))  # < 10 steps: all
         assert row["pass@1 low"] <= row["pass@1"] <= row["pass@1 high"]
-    assert "# Sweep: atr over max_kl3" in (directory / "report.md").read_text()
+        assert row["bad steps"] == records[-1]["skipped_steps"] == 0
+    report = (directory / "report.md").read_text()
+    assert "# Sweep: atr over max_kl3" in report and "| atr:max_kl3=0.5 | ≥0.9 |" in report  # the mechanism table
+    mechanism = _read_csv(directory / "mechanism.csv")
+    assert [(row["arm"], row["p_old"]) for row in mechanism[:2]] == [("atr:max_kl3=0.05", "p<0.1"),
+                                                                     ("atr:max_kl3=0.05", "0.1–0.5")]  # fmt: skip
     assert "atr:max_kl3=0.5" in capsys.readouterr().out
 
     points = ("atr_max_kl3=0.05-s0", "atr_max_kl3=0.5-s0")
