@@ -74,8 +74,8 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkey
     for run in ("grpo", "atr"):  # the training children write theirs to their logs
         log = (directory / "runs" / f"{run}-s0.log").read_text()
         assert "\x1b" not in log and f"train {run}  2/2  reward " in log
-    for name in ("passk.md", "passk.csv", "passk.png", "training.csv", "training.png", "bounds.png", "report.md",
-                 "compare.json"):  # fmt: skip
+    for name in ("passk.md", "passk.csv", "passk.png", "training.csv", "training.png", "mechanism.csv", "bounds.png",
+                 "report.md", "compare.json"):  # fmt: skip
         assert (directory / name).stat().st_size > 0, name
     for run in ("grpo-s0", "atr-s0"):
         summary = json.loads((directory / "runs" / run / "summary.json").read_text())
@@ -86,7 +86,10 @@ def test_small_comparison_writes_every_file_and_resumes(tmp_path, capsys, monkey
     report = (directory / "report.md").read_text()
     assert "atrctl compare grpo atr" in report and "| atr − grpo | 1 |" in report
     assert "problem noise only" in report  # one seed: the report says what its intervals cover
-    assert "| arm | seeds | final entropy | clip/low | clip/high | kl3/mean | ratio range |" in report
+    assert "| arm | seeds | final entropy | clip/low | clip/high | kl3/mean | ratio range | bad steps |" in report
+    assert (
+        "| arm | p_old | Δ log p, A>0 | Δ log p, A<0 | clip/high | clip/low |" in report and "| atr | ≥0.9 |" in report
+    )
     assert "atr − grpo" in out
     if wandb:  # each run's W&B run is grouped under the comparison and gets its evaluation
         for arm in ("grpo", "atr"):
