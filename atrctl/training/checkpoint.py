@@ -7,6 +7,8 @@ A model sharded with FSDP is gathered into the same files (`atrctl.training.shar
 number of processes, sharded or not.  It is written beside the old one and swapped in by rename; the one
 it replaces is kept as `checkpoint.previous`, so a crash at any moment leaves a complete checkpoint
 behind, and a checkpoint damaged later (a disk error, a truncated copy) still leaves the one before.
+A finished run drops its previous checkpoint: its final model is in place, and the last checkpoint alone
+is what training it further needs.
 """
 
 from __future__ import annotations

@@ -118,11 +118,19 @@ def test_compare_overwrite_replaces_even_the_same_comparison_and_can_put_it_back
 
 
 def damaged_unfinished_run(results, prefix, how):
-    """A two-step run with a checkpoint after each step, its final model moved to straight/ (so the run is
-    one to resume), and its newest checkpoint damaged `how`."""
+    """A three-step run with a checkpoint after each step, cut off after logging step 3 and before saving it
+    (so its checkpoints are steps 2 and 1, the previous), the same run trained straight to its end beside it
+    (<run>-straight), and its newest checkpoint damaged `how`."""
     run = results / f"{prefix}-{hashlib.sha256(how.encode()).hexdigest()[:8]}"
-    train(recipe("run.steps=2", "run.checkpoint_every=1"), run, results=results)
-    (run / "model").rename(run / "straight")
+    steps = recipe("run.steps=3", "run.checkpoint_every=1")
+
+    def power_cut(record):
+        if record["step"] == 3:
+            raise RuntimeError("power cut")
+
+    with pytest.raises(RuntimeError, match="power cut"):
+        train(steps, run, results=results, on_step=power_cut)
+    train(steps, run.with_name(run.name + "-straight"), results=results)
     damage(run, how)
     return run
 
@@ -180,17 +188,18 @@ def test_a_damaged_run_is_one_line_on_resume_and_stays_as_it_was(results, capsys
     ],
 )
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one_saying_so(results, capsys, how, fragment):
-    run = damaged_unfinished_run(results, "fallback", how)  # its final model, as trained straight, is in straight/
+    run = damaged_unfinished_run(results, "fallback", how)
     capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 0
     err = capsys.readouterr().err
     assert f"note: {run / 'checkpoint'}" in err and fragment in err, err
     assert "resumed from the previous checkpoint (step 1)" in err, err
-    # step 2 trained again from the intact step-1 checkpoint: the same final weights, bit for bit
-    assert tree(run / "model")["model.safetensors"] == tree(run / "straight")["model.safetensors"]
-    assert json.loads((run / "checkpoint" / "state.json").read_text())["step"] == 2
-    assert json.loads((run / "checkpoint.previous" / "state.json").read_text())["step"] == 1
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    # steps 2 and 3 trained again from the intact step-1 checkpoint: the same final weights, bit for bit
+    straight = run.with_name(run.name + "-straight")
+    assert tree(run / "model")["model.safetensors"] == tree(straight / "model")["model.safetensors"]
+    assert json.loads((run / "checkpoint" / "state.json").read_text())["step"] == 3
+    assert not (run / "checkpoint.previous").exists()  # finished: its fallback is no longer kept
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
 def test_a_second_writer_is_refused_with_one_line(results, capsys):

@@ -329,6 +329,9 @@ def test_resume_drops_steps_logged_after_the_checkpoint(results):
     assert json.loads((directory / "checkpoint" / "state.json").read_text())["step"] == 2
     train(saved_recipe(directory), directory, results=results, resume=True)
     assert [without_timing(r) for r in records(directory)] == [without_timing(r) for r in records(straight)]
+    for run in (directory, straight):  # finished: the last checkpoint (step 5) stays, its fallback (step 4) goes
+        assert json.loads((run / "checkpoint" / "state.json").read_text())["step"] == 5
+        assert not (run / "checkpoint.previous").exists()
 
 
 def test_interrupt_during_the_last_step_still_finishes(results):
