@@ -7,9 +7,11 @@ raise it anywhere without knowing it is called from a terminal.
 
 class UserError(ValueError):
     """Bad input: the message names the problem and how to fix it.  `shared`: every rank of a torchrun job
-    raised it together (`distributed.decided_by_main`), so rank 0 alone prints it."""
+    raised it together (`distributed.decided_by_main`), so rank 0 alone prints it; `said`: rank 0 printed it
+    already, before the others could end (and torchrun with them, rank 0 included)."""
 
     shared = False
+    said = False
 
 
 def first_line(error: BaseException) -> str:

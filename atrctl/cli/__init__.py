@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         from atrctl.runtime.distributed import is_main, rank
 
-        if is_main() or not error.shared:  # under torchrun a shared refusal is said once
+        if (is_main() and not error.said) or not error.shared:  # under torchrun a shared refusal is said once
             where = "" if is_main() else f"[rank {rank()}] "
             with contextlib.suppress(OutputLost):
                 stderr.print(f"{where}error: {error}", markup=False, highlight=False, soft_wrap=True)

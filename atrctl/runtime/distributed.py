@@ -108,13 +108,17 @@ def decided_by_main(check) -> None:
             check()
         except UserError as error:
             message = str(error)
+    said = False
     if _active():
+        if message is not None:  # said before any rank learns of it: torchrun stops every rank once one has ended,
+            print(f"error: {message}", file=sys.stderr, flush=True)  # and a busy rank 0 was stopped unheard
+            said = True
         box = [message]
         dist.broadcast_object_list(box, src=0)
         message = box[0]
     if message is not None:
         error = UserError(message)
-        error.shared = True
+        error.shared, error.said = True, said
         raise error
 
 
