@@ -283,6 +283,16 @@ one); clip/high, clip/low = the share of those tokens whose gradient the loss re
 is the mean over an arm's seeds of that seed's figure over all steps [lowest, highest seed]."""
 
 
+def write_mechanism(directory: Path, runs: dict[str, list[Path]]) -> list[dict]:
+    """mechanism.png and mechanism.csv of a comparison or sweep; returns the table's rows for its report."""
+    import pandas as pd
+
+    save_figure(mechanism_figure(runs), directory / "mechanism.png")
+    rows = mechanism_rows(runs)
+    atomic.write_text(directory / "mechanism.csv", pd.DataFrame(rows).to_csv(index=False))
+    return rows
+
+
 def mechanism_figure(runs: dict[str, list[Path]]):
     """Where each arm's trust region acts, by the sampling probability of the token: the share of tokens whose
     gradient the clip removed and the mean change of log-probability, per p_old bin (grouped bars)."""
@@ -356,9 +366,7 @@ def write_report(
     trained = training_rows(runs)
     atomic.write_text(directory / "training.csv", pd.DataFrame(trained).to_csv(index=False))
     save_figure(training_figure(runs), directory / "training.png")
-    save_figure(mechanism_figure(runs), directory / "mechanism.png")
-    mechanism = mechanism_rows(runs)
-    atomic.write_text(directory / "mechanism.csv", pd.DataFrame(mechanism).to_csv(index=False))
+    mechanism = write_mechanism(directory, runs)
     save_figure(bounds_figure(deltas, eps), directory / "bounds.png")
 
     starred = [row["row"] for row in rows[len(results) :] if any(row.get(f"{m} excludes_0") for m in metrics)]

@@ -25,15 +25,14 @@ from atrctl.experiments.compare_report import (
     benchmark_section,
     comparison_table,
     interval_text,
-    mechanism_figure,
     mechanism_markdown,
-    mechanism_rows,
     ratio_range,
     save_figure,
     table_markdown,
     table_metrics,
     training_figure,
     training_rows,
+    write_mechanism,
 )
 from atrctl.files import atomic
 
@@ -198,9 +197,7 @@ def write_sweep_report(
     save_figure(common_axis_figure(rows, ks), directory / "common.png")
     runs = arm_runs(comparison)
     save_figure(training_figure(runs), directory / "training.png")
-    save_figure(mechanism_figure(runs), directory / "mechanism.png")
-    mechanism = mechanism_rows(runs)
-    atomic.write_text(directory / "mechanism.csv", pd.DataFrame(mechanism).to_csv(index=False))
+    mechanism = write_mechanism(directory, runs)
 
     baseline = (sweep.references[0] if sweep.references else comparison.arms[0]).label
     difference_table = table_markdown(differences, metrics)

@@ -287,8 +287,8 @@ def _finish(run: Run, state: TrainState, base_eval: dict, seconds: float, gather
         run.run_dir.finish(lambda directory: save(directory, state_dict=gathered), run.tokenizer, summary)
     else:
         run.run_dir.finish(run.model.save_pretrained, run.tokenizer, summary)
-    # the last step's checkpoint is complete and model/ is in place: its fallback only doubles the disk a
-    # finished run keeps (a sweep of 21 SmolLM2 runs kept 80 GB); the checkpoint stays, to train the run further
+    # the last step's checkpoint is complete and model/ is in place: its fallback would only double the disk a
+    # finished run keeps (design §5); the checkpoint stays, to train the run further
     shutil.rmtree(previous_checkpoint(run.run_dir.checkpoint), ignore_errors=True)
     return summary
 
