@@ -64,10 +64,14 @@ def plot(
     ] = None,
     smooth: Annotated[int, typer.Option(help="Trailing moving average over this many steps (1: none).")] = 10,
     out: Annotated[
-        Path | None, typer.Option(help="Figure path (.png, .svg, .pdf) \\[default: results/plots/<runs>.png].")
+        Path | None,
+        typer.Option(
+            help="Figure path (.png, .svg, .pdf) \\[default: results/plots/<runs>.png]; its numbers as CSV beside it."
+        ),
     ] = None,
 ) -> None:
-    """Overlay training curves of any runs from their metrics.jsonl: seeds of an arm as a mean and a band."""
+    """Overlay training curves of any runs from their metrics.jsonl: seeds of an arm as a mean and a band; the
+    drawn numbers go to a CSV beside the figure."""
     from atrctl.reports import curves
     from atrctl.reports.bounds_table import checked_figure_path
 
@@ -77,9 +81,10 @@ def plot(
     metric = curves.check_metrics(groups, metric)
     path = checked_figure_path(out or curves.default_path(runs))
     try:
-        curves.save(curves.curves_figure(groups, metric, smooth), path)
+        figure, rows = curves.curves_figure(groups, metric, smooth), curves.curve_rows(groups, metric, smooth)
+        csv_path = curves.write_curves(figure, rows, path)
     except OSError as error:
         raise UserError(f"--out {path}: cannot write ({error.strerror}); choose a writable path") from None
     shown = ", ".join(f"{label} ({len(directories)})" if len(directories) > 1 else label
                       for label, directories in groups.items())  # fmt: skip
-    console.print(f"wrote {path}: {', '.join(metric)} of {shown}", markup=False, highlight=False)
+    console.print(f"wrote {path} and {csv_path.name}: {', '.join(metric)} of {shown}", markup=False, highlight=False)

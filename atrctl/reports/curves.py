@@ -2,7 +2,8 @@
 
 Runs are grouped: the runs of one arm (its seeds) are drawn as their mean with a band from the lowest
 to the highest seed, a run on its own as one line.  Curves are smoothed by a trailing moving average
-(per-step values of RL runs are noisy), over `smooth` steps.
+(per-step values of RL runs are noisy), over `smooth` steps.  `atrctl plot` writes the drawn numbers as a
+CSV beside the figure, so a figure quoted in a study can be quoted in digits.
 """
 
 from __future__ import annotations
@@ -163,6 +164,40 @@ def _smoothed(directories: Sequence[Path], key: str, smooth: int):
     if not steps:
         return None, None
     return np.array(steps), np.array([[run[step] for step in steps] for run in series])
+
+
+CSV_COLUMNS = ("metric", "arm", "seeds", "step", "mean", "lowest", "highest")
+
+
+def curve_rows(groups: dict[str, list[Path]], metrics: Sequence[str], smooth: int = SMOOTHING) -> list[tuple]:
+    """What curves_figure draws, as rows of CSV_COLUMNS: per metric, group and step, the mean of the runs'
+    `smooth`-step trailing averages and the lowest and highest of them (one run: all three the same)."""
+    rows = []
+    for key in metrics:
+        for label, directories in groups.items():
+            steps, values = _smoothed(directories, key, smooth)
+            if steps is None:
+                continue
+            for step, column in zip(steps.tolist(), values.T, strict=True):
+                rows.append((key, label, len(directories), int(step), column.mean(), column.min(), column.max()))
+    return rows
+
+
+def write_curves(figure, rows: Sequence[tuple], path: Path) -> Path:
+    """The figure at `path` and its numbers in a CSV beside it, each replaced atomically; returns the CSV's path."""
+    import csv
+    import io
+
+    from atrctl.files import atomic
+
+    save(figure, path)
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    writer.writerows((*row[:4], *(f"{value:.6g}" for value in row[4:])) for row in rows)
+    csv_path = path.with_suffix(".csv")
+    atomic.write_text(csv_path, text.getvalue())
+    return csv_path
 
 
 def save(figure, path: Path) -> None:

@@ -1,5 +1,6 @@
 """`atrctl plot` and the one curve-drawing path it shares with compare's and sweep's training.png."""
 
+import csv
 import json
 
 import numpy as np
@@ -114,8 +115,24 @@ def test_plot_writes_the_figure_and_refuses_bad_input_in_one_line(comparison, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compare-grpo-atr", "figures"]  # nothing else written
 
 
+def test_plot_writes_the_drawn_numbers_beside_the_figure(comparison, tmp_path):
+    out = tmp_path / "figures" / "curves.png"
+    assert main(["plot", str(comparison), "--metric", "reward/mean", "--metric", "entropy", "--smooth", "2",
+                 "--out", str(out)]) == 0  # fmt: skip
+    rows = list(csv.DictReader((tmp_path / "figures" / "curves.csv").open()))
+    assert tuple(rows[0]) == curves.CSV_COLUMNS
+    grpo = [(r["step"], r["seeds"], r["mean"], r["lowest"], r["highest"])
+            for r in rows if r["metric"] == "reward/mean" and r["arm"] == "grpo"]  # fmt: skip
+    # seed 0 smoothed over 2 steps: 0.5, 1.5, 2.5; seed 1: 2.5, 3.5, 4.5 (cut to seed 0's last step)
+    assert grpo == [("2", "2", "1.5", "0.5", "2.5"), ("3", "2", "2.5", "1.5", "3.5"), ("4", "2", "3.5", "2.5", "4.5")]
+    assert {(r["arm"], r["mean"]) for r in rows if r["metric"] == "entropy"} == {("grpo", "1")}  # atr logs none
+    drawn = curves.curves_figure(curves.run_groups([comparison]), ["reward/mean"], smooth=2).axes[0].get_lines()
+    assert {line.get_label(): line.get_ydata().tolist() for line in drawn}["grpo (2 seeds)"] == [1.5, 2.5, 3.5]
+
+
 def test_the_default_figure_goes_under_results_plots(comparison, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["plot", str(comparison)]) == 0
     assert (tmp_path / "results" / "plots" / "compare-grpo-atr.png").stat().st_size > 0
+    assert (tmp_path / "results" / "plots" / "compare-grpo-atr.csv").read_text().startswith("metric,arm,seeds,step")
     assert np.isfinite(curves._smoothed([comparison / "runs" / "atr-s0"], "reward/mean", 10)[1]).all()
