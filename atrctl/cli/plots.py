@@ -81,8 +81,8 @@ def plot(
     metric = curves.check_metrics(groups, metric)
     path = checked_figure_path(out or curves.default_path(runs))
     try:
-        figure, rows = curves.curves_figure(groups, metric, smooth), curves.curve_rows(groups, metric, smooth)
-        csv_path = curves.write_curves(figure, rows, path)
+        points = curves.curve_points(groups, metric, smooth)
+        csv_path = curves.write_curves(curves.draw_curves(points, list(groups), metric, smooth), points, path)
     except OSError as error:
         raise UserError(f"--out {path}: cannot write ({error.strerror}); choose a writable path") from None
     shown = ", ".join(f"{label} ({len(directories)})" if len(directories) > 1 else label

@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,6 +32,18 @@ TITLES = {
 SEED_SUFFIX = re.compile(r"-s\d+$")
 MAX_STEP = 2**53
 """Larger steps are not a run's (and lose their value as floats): such records are not drawn."""
+
+
+class CurvePoint(NamedTuple):
+    """One step of one group's curve, as drawn and as written to the CSV beside the figure."""
+
+    metric: str
+    arm: str
+    seeds: int
+    step: int
+    mean: float
+    lowest: float
+    highest: float
 
 
 def points(records: Sequence[dict], key: str) -> list[tuple[int, float]]:
@@ -125,21 +138,34 @@ def arm_colours(count: int) -> list:
 def curves_figure(groups: dict[str, list[Path]], metrics: Sequence[str], smooth: int = SMOOTHING, title: str = ""):
     """One panel per metric: per group, the mean over its runs of a `smooth`-step trailing moving average,
     and a band over the runs' range when there are several (cut to the shortest of them); x is the step."""
+    return draw_curves(curve_points(groups, metrics, smooth), list(groups), metrics, smooth, title)
+
+
+def draw_curves(
+    points: Sequence[CurvePoint], labels: Sequence[str], metrics: Sequence[str], smooth: int, title: str = ""
+):
+    """The figure of curves_figure from its points, so that a figure and its CSV are one computation; `labels`
+    fixes each group's colour across the panels, also where it logged nothing to draw."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(4.2 * len(metrics), 4.2), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(metrics)))
-    colours = arm_colours(len(groups))
+    colours = dict(zip(labels, arm_colours(len(labels)), strict=True))
+    curves: dict[tuple[str, str], list[CurvePoint]] = {}
+    for point in points:
+        curves.setdefault((point.metric, point.arm), []).append(point)
     for key, ax in zip(metrics, axes, strict=True):
-        for colour, (label, directories) in zip(colours, groups.items(), strict=True):
-            steps, values = _smoothed(directories, key, smooth)
-            if steps is None:
+        for label in labels:
+            curve = curves.get((key, label))
+            if not curve:
                 continue
-            runs = f" ({len(directories)} seeds)" if len(directories) > 1 else ""
-            ax.plot(steps, np.nanmean(values, 0), label=f"{label}{runs}", lw=1.6, color=colour)
-            if len(directories) > 1:
-                low, high = np.nanmin(values, 0), np.nanmax(values, 0)
-                ax.fill_between(steps, low, high, color=colour, alpha=0.2, lw=0)
+            steps = [point.step for point in curve]
+            seeds = curve[0].seeds
+            runs = f" ({seeds} seeds)" if seeds > 1 else ""
+            ax.plot(steps, [p.mean for p in curve], label=f"{label}{runs}", lw=1.6, color=colours[label])
+            if seeds > 1:
+                low, high = [p.lowest for p in curve], [p.highest for p in curve]
+                ax.fill_between(steps, low, high, color=colours[label], alpha=0.2, lw=0)
         ax.set(title=TITLES.get(key, key), xlabel="step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -166,24 +192,23 @@ def _smoothed(directories: Sequence[Path], key: str, smooth: int):
     return np.array(steps), np.array([[run[step] for step in steps] for run in series])
 
 
-CSV_COLUMNS = ("metric", "arm", "seeds", "step", "mean", "lowest", "highest")
-
-
-def curve_rows(groups: dict[str, list[Path]], metrics: Sequence[str], smooth: int = SMOOTHING) -> list[tuple]:
-    """What curves_figure draws, as rows of CSV_COLUMNS: per metric, group and step, the mean of the runs'
-    `smooth`-step trailing averages and the lowest and highest of them (one run: all three the same)."""
-    rows = []
+def curve_points(groups: dict[str, list[Path]], metrics: Sequence[str], smooth: int = SMOOTHING) -> list[CurvePoint]:
+    """What a curves figure draws: per metric, group and step, the mean of the runs' `smooth`-step trailing
+    averages and the lowest and highest of them (one run: all three the same)."""
+    points = []
     for key in metrics:
         for label, directories in groups.items():
             steps, values = _smoothed(directories, key, smooth)
             if steps is None:
                 continue
             for step, column in zip(steps.tolist(), values.T, strict=True):
-                rows.append((key, label, len(directories), int(step), column.mean(), column.min(), column.max()))
-    return rows
+                points.append(
+                    CurvePoint(key, label, len(directories), int(step), column.mean(), column.min(), column.max())
+                )
+    return points
 
 
-def write_curves(figure, rows: Sequence[tuple], path: Path) -> Path:
+def write_curves(figure, points: Sequence[CurvePoint], path: Path) -> Path:
     """The figure at `path` and its numbers in a CSV beside it, each replaced atomically; returns the CSV's path."""
     import csv
     import io
@@ -193,8 +218,8 @@ def write_curves(figure, rows: Sequence[tuple], path: Path) -> Path:
     save(figure, path)
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
-    writer.writerows((*row[:4], *(f"{value:.6g}" for value in row[4:])) for row in rows)
+    writer.writerow(CurvePoint._fields)
+    writer.writerows((*point[:4], *(f"{value:.6g}" for value in point[4:])) for point in points)
     csv_path = path.with_suffix(".csv")
     atomic.write_text(csv_path, text.getvalue())
     return csv_path

@@ -120,7 +120,7 @@ def test_plot_writes_the_drawn_numbers_beside_the_figure(comparison, tmp_path):
     assert main(["plot", str(comparison), "--metric", "reward/mean", "--metric", "entropy", "--smooth", "2",
                  "--out", str(out)]) == 0  # fmt: skip
     rows = list(csv.DictReader((tmp_path / "figures" / "curves.csv").open()))
-    assert tuple(rows[0]) == curves.CSV_COLUMNS
+    assert tuple(rows[0]) == curves.CurvePoint._fields
     grpo = [(r["step"], r["seeds"], r["mean"], r["lowest"], r["highest"])
             for r in rows if r["metric"] == "reward/mean" and r["arm"] == "grpo"]  # fmt: skip
     # seed 0 smoothed over 2 steps: 0.5, 1.5, 2.5; seed 1: 2.5, 3.5, 4.5 (cut to seed 0's last step)
